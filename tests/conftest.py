@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random checkpoints written by transformers itself, and the default target."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import model as M  # noqa: E402
+
+# the architectures the parity tests cover, each with the feature that sets it apart
+TINY = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32}, rope_theta=500000.0, tie_word_embeddings=False)),
+    "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
+    "qwen3_untied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False)),
+    "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+}
+
+
+def write_tiny_checkpoint(path: Path, kind: str, seed: int = 0, shard: bool = False, vocab: int = 97, layers: int = 3):
+    import transformers
+    config_cls, model_cls, extra = TINY[kind]
+    config = getattr(transformers, config_cls)(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, **extra)
+    torch.manual_seed(seed)
+    hf = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # random biases/norm weights, so that a loader ignoring them fails the test
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    hf.save_pretrained(path, max_shard_size="100KB" if shard else "5GB")
+    return hf
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A function kind -> directory of a tiny checkpoint (cached per session)."""
+    made = {}
+
+    def get(kind="llama3", shard=False):
+        key = (kind, shard)
+        if key not in made:
+            d = tmp_path_factory.mktemp(f"{kind}{'_sharded' if shard else ''}")
+            write_tiny_checkpoint(d, kind, shard=shard)
+            made[key] = d
+        return made[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    return M.resolve_model("smollm2-135m")

@@ -1,0 +1,165 @@
+"""model.py against transformers: logits, hidden-state indices, KV cache, loading errors."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as M
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def hf_model(path):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def ours(path, max_seq_len=128, pack=False):
+    m = M.load_model(path)
+    m.setup_caches(4, max_seq_len)
+    return M.pack_for_cpu(m) if pack else m
+
+
+@pytest.mark.parametrize("kind,shard", [("llama3", False), ("qwen3_tied", False), ("qwen3_untied", True),
+                                        ("qwen2_bias", False), ("llama3", True)])
+@pytest.mark.parametrize("pack", [False, True])
+def test_logits_match_transformers(tiny_dir, kind, shard, pack):
+    path = tiny_dir(kind, shard)
+    if shard:
+        assert (path / "model.safetensors.index.json").is_file()
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 97, (4, 80))  # past original_max_position_embeddings=32: llama3 scaling matters
+    with torch.no_grad():
+        expected = hf_model(path)(tokens).logits
+        got = ours(path, pack=pack)(tokens, torch.arange(80))
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_hidden_state_index_convention(tiny_dir):
+    path = tiny_dir("qwen3_untied")
+    tokens = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        hf_states = hf_model(path)(tokens, output_hidden_states=True).hidden_states
+        m = ours(path)
+        n = m.args.n_layer
+        _, hidden = m(tokens, torch.arange(20), hidden_layers=tuple(range(n + 1)))
+    for i in range(n):  # hidden[i] enters layer i, as transformers' hidden_states[i]
+        assert torch.allclose(hidden[i], hf_states[i], atol=1e-5), i
+    # the last entry: ours is before the final norm, transformers' after it
+    assert torch.allclose(m.norm(hidden[n]), hf_states[n], atol=1e-5)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_kv_cache_incremental_equals_full_and_rewinds(tiny_dir, pack):
+    m = ours(tiny_dir("qwen2_bias"), pack=pack)
+    tokens = torch.randint(0, 97, (1, 40))
+    with torch.no_grad():
+        full = m(tokens, torch.arange(40))
+        m(tokens[:, :10], torch.arange(10))  # prefill, then one token at a time
+        steps = [m(tokens[:, i:i + 1], torch.tensor([i])) for i in range(10, 40)]
+        assert (torch.cat(steps, 1) - full[:, 10:]).abs().max() < 1e-4
+        # draft 8 wrong tokens at 20..27, rewind to 20 and decode the right ones: as a fresh run
+        m(torch.randint(0, 97, (1, 8)), torch.arange(20, 28))
+        again = m(tokens[:, 20:30], torch.arange(20, 30))
+        assert (again - full[:, 20:30]).abs().max() < 1e-4
+
+
+def test_default_target_matches_transformers(smollm2_dir):
+    tok = M.load_tokenizer(smollm2_dir)
+    ids = tok.encode_chat([{"role": "user", "content": "List three prime numbers and explain why they are prime."}])
+    hf = hf_model(smollm2_dir)
+    m = ours(smollm2_dir, max_seq_len=256, pack=True)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        diff = (m(x, torch.arange(len(ids))) - hf(x).logits).abs().max().item()
+        hf_out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
+                             eos_token_id=None, pad_token_id=2)[0, len(ids):].tolist()
+    assert diff < 1e-3  # 30 layers of fp32 with different (packed) matmul kernels
+    from decode import generate
+    assert generate(m, ids, max_new_tokens=32)["tokens"] == hf_out
+
+
+def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def die(*a, **k):
+        raise KeyboardInterrupt  # as if the user pressed Ctrl-C halfway
+    monkeypatch.setattr(safetensors.torch, "save_file", die)
+    with pytest.raises(KeyboardInterrupt):
+        M.convert_embedded_smollm2(tmp_path / "smol")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    n_head, rows, cols = 3, 12, 5
+    w = torch.randn(rows, cols).numpy()
+    # llama.cpp's convert_hf_to_gguf permute()
+    permuted = w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    assert (M.unpermute_qk(permuted, n_head) == w).all()
+
+
+def test_resolve_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(M.CheckpointError, match="huggingface-cli download Qwen/Qwen3-4B"):
+        M.resolve_model("qwen3-4b")
+    snap = tmp_path / "models--Qwen--Qwen3-4B" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "models--Qwen--Qwen3-4B" / "refs").mkdir()
+    (tmp_path / "models--Qwen--Qwen3-4B" / "refs" / "main").write_text("abc123")
+    assert M.resolve_model("qwen3-4b") == snap
+    with pytest.raises(M.CheckpointError, match="neither a directory nor a known model"):
+        M.resolve_model("qwen9-1t")
+
+
+# -----------------------------------------------------------------------------
+# Bad input through the command line: one line, non-zero exit
+
+def run_decode(*args):
+    return subprocess.run([sys.executable, str(ROOT / "decode.py"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def broken_copy(tiny_dir, tmp_path, how):
+    src = tiny_dir("llama3", shard=True)
+    dst = tmp_path / how
+    shutil.copytree(src, dst)
+    if how == "missing_shard":
+        next(dst.glob("model-00002-*.safetensors")).unlink()
+    elif how == "wrong_shape":
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["intermediate_size"] = 128
+        (dst / "config.json").write_text(json.dumps(cfg))
+    elif how == "unsupported":
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["model_type"], cfg["architectures"] = "gpt2", ["GPT2LMHeadModel"]
+        (dst / "config.json").write_text(json.dumps(cfg))
+    elif how == "corrupt":
+        shard = next(dst.glob("model-00001-*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:1000])
+    return dst
+
+
+@pytest.mark.parametrize("how,message", [("missing_shard", "missing shard model-00002"),
+                                         ("wrong_shape", "has shape"),
+                                         ("unsupported", "unsupported architecture 'gpt2'"),
+                                         ("corrupt", "corrupt safetensors file")])
+def test_bad_checkpoints_fail_in_one_line(tiny_dir, tmp_path, how, message):
+    r = run_decode("--target", str(broken_copy(tiny_dir, tmp_path, how)))
+    assert r.returncode != 0
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:") and message in r.stderr, r.stderr
+
+
+def test_missing_directory_and_long_prompt(tmp_path, smollm2_dir):
+    r = run_decode("--target", str(tmp_path / "nope"))
+    assert r.returncode != 0 and r.stderr.startswith("error:") and "neither a directory" in r.stderr
+    r = run_decode("--prompt", "word " * 300, "--max-seq-len", "256")
+    assert r.returncode != 0 and r.stderr.strip().count("\n") == 0 and "the context holds 256" in r.stderr
+    r = run_decode("--verifier", "overshoot", "--ceiling", "0.5")
+    assert r.returncode != 0 and "c >= 1" in r.stderr
+    r = run_decode("--verifier", "magic")
+    assert r.returncode != 0 and "invalid choice" in r.stderr
