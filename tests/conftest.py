@@ -9,6 +9,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import model as M  # noqa: E402
 
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run tests marked slow (long end-to-end runs)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long end-to-end run, selected with --runslow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
 # the architectures the parity tests cover, each with the feature that sets it apart
 TINY = {
     "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(

@@ -1,0 +1,126 @@
+"""The speculative loop end to end: greedy equals plain decoding, lossless reproduces the target's
+sequence distribution, stop tokens and token budgets are exact, and the CLI reports tau."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as M
+from decode import generate
+from draft import LookupDraft, ModelDraft
+from verify import Verifier, probs_from_logits
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(path, batch=1):
+    m = M.load_model(path)
+    m.setup_caches(batch, 256)
+    return m
+
+
+class WrongDraft(ModelDraft):
+    """The target's own greedy guesses, shifted by one token id: never the argmax."""
+
+    def propose(self, k):
+        tokens, q = super().propose(k)
+        return (tokens + 1) % self.model.args.vocab_size, None
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return tiny_dir("qwen3_untied")
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tmp_path_factory):
+    from conftest import write_tiny_checkpoint
+    d = tmp_path_factory.mktemp("other")
+    write_tiny_checkpoint(d, "qwen3_untied", seed=7, layers=2)
+    return d
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("which", ["wrong", "right", "lookup", "independent"])
+def test_greedy_speculative_equals_plain(tiny, other_tiny, k, which):
+    target = load(tiny)
+    prompt = [5, 17, 3, 5, 17, 3, 5, 17, 3, 42, 8]
+    plain = generate(target, prompt, max_new_tokens=40)
+    draft = {"wrong": lambda: WrongDraft(load(tiny)), "right": lambda: ModelDraft(load(tiny)),
+             "lookup": LookupDraft, "independent": lambda: ModelDraft(load(other_tiny))}[which]()
+    spec = generate(target, prompt, draft, Verifier("greedy"), k=k, max_new_tokens=40)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["new_tokens"] == 40
+    if which == "wrong":
+        assert spec["tau"] == 1.0
+    if which == "right":  # every block keeps all k guesses, except the budget-trimmed last ones
+        assert spec["accepted_per_position"] == [1.0] * k
+        assert spec["target_forwards"] <= -(-40 // (k + 1)) + k
+
+
+def test_lossless_reproduces_the_target_sequence_distribution(tmp_path_factory):
+    """Enumerate every 2-token continuation of a 16-token vocabulary and compare frequencies."""
+    from conftest import write_tiny_checkpoint
+    d_t, d_q = tmp_path_factory.mktemp("t16"), tmp_path_factory.mktemp("q16")
+    write_tiny_checkpoint(d_t, "llama3", seed=1, vocab=16)
+    write_tiny_checkpoint(d_q, "llama3", seed=2, vocab=16, layers=1)
+    target, draft_model, temperature = load(d_t, batch=16), load(d_q), 0.04  # random weights give flat logits
+    prompt = [1, 2, 3, 4]
+    with torch.no_grad():
+        p1 = probs_from_logits(target(torch.tensor([prompt]), torch.arange(4))[0, -1], temperature)
+        rows = torch.tensor([prompt + [t] for t in range(16)])
+        p2 = probs_from_logits(target(rows, torch.arange(5))[:, -1], temperature)  # (16, 16)
+    exact = (p1[:, None] * p2).flatten().double()  # P(t1, t2)
+
+    runs = 3000
+    g = torch.Generator().manual_seed(0)
+    draft = ModelDraft(draft_model, temperature=temperature, generator=g)
+    counts = torch.zeros(256, dtype=torch.double)
+    for _ in range(runs):
+        out = generate(target, prompt, draft, Verifier("lossless"), k=2, max_new_tokens=2,
+                       temperature=temperature, generator=g)["tokens"]
+        counts[out[0] * 16 + out[1]] += 1
+    # Pearson chi-square over cells with enough expected mass; 6 standard deviations above df
+    keep = exact * runs >= 5
+    chi2 = ((counts[keep] - runs * exact[keep]) ** 2 / (runs * exact[keep])).sum().item()
+    df = int(keep.sum()) - 1
+    assert chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
+    # and the test has power: the draft's own distribution is clearly rejected
+    with torch.no_grad():
+        q1 = probs_from_logits(draft_model(torch.tensor([prompt]), torch.arange(4))[0, -1], temperature)
+    assert (q1 - p1).abs().sum() > 0.2
+
+
+def test_stop_token_inside_a_block_and_exact_budget(tiny):
+    target = load(tiny)
+    prompt = [5, 17, 3, 42]
+    plain = generate(target, prompt, max_new_tokens=30)["tokens"]
+    stop = plain[7]
+    first = plain.index(stop)
+    for k in (1, 4, 8):
+        spec = generate(target, prompt, ModelDraft(load(tiny)), Verifier("greedy"), k=k, max_new_tokens=30,
+                        stop_ids={stop})["tokens"]
+        assert spec == plain[:first + 1]
+        for budget in (1, 2, 5, 13):
+            out = generate(target, prompt, ModelDraft(load(tiny)), Verifier("greedy"), k=k, max_new_tokens=budget)
+            assert out["tokens"] == plain[:budget]
+
+
+def test_default_target_prompt_lookup(smollm2_dir):
+    """On SmolLM2, prompt lookup + greedy verification gives plain decoding's text, with tau > 1."""
+    prompt = ("Repeat the following list exactly, one item per line: apples, bananas, cherries, dates, "
+              "elderberries, figs, grapes.")
+    r = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--prompt", prompt, "--max-new-tokens", "48",
+                        "--json", "--verifier", "none"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    s = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--prompt", prompt, "--max-new-tokens", "48",
+                        "--json", "--draft", "lookup", "--verifier", "greedy", "-k", "6"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and s.returncode == 0, r.stderr + s.stderr
+    plain, spec = json.loads(r.stdout.splitlines()[-1]), json.loads(s.stdout.splitlines()[-1])
+    assert spec["text"] == plain["text"] and spec["tokens"] == plain["tokens"]
+    assert plain["tau"] == 1.0 and spec["tau"] > 1.0
+    assert spec["target_forwards"] < plain["target_forwards"]
+    assert spec["text"] in s.stdout  # the streamed text is the final text

@@ -1,0 +1,190 @@
+"""
+Verifiers: given the target's distributions p over k+1 positions, the draft's distributions q over
+k positions (None for a deterministic draft such as prompt lookup) and the k drafted tokens,
+decide how many drafted tokens to keep and which token comes next (a correction on rejection, a
+bonus token from p[k] when all k are kept).
+
+Three families:
+  exact         greedy (for T = 0) and lossless speculative sampling: the output is distributed
+                exactly as the target's.
+  truncation    minp, eta: keep a drafted token iff it lies in an allowed set of p; on rejection
+                the correction is drawn from p restricted to that set. Trades exactness for
+                acceptance; the output never leaves the allowed set.
+  collaborative cos, lenience, overshoot: accept with min(1, t(x)/q(x)) for a target t that
+                mixes p and q, correct from the target's residual norm(max(0, p - q)).
+
+Every verifier has its induced one-step output distribution in closed form (`induced`), which the
+tests compare against the sampler (`verify`).
+
+Shapes: p (B, k+1, V), q (B, k, V) or None, draft_tokens (B, k). Everything is batched over B
+blocks and k positions; the caller pays one host sync per block to read the accepted count.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+VERIFIERS = ("greedy", "lossless", "minp", "eta", "cos", "lenience", "overshoot")
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """A verification rule and its parameters (only those of `name` matter)."""
+    name: str = "lossless"
+    p_base: float = 0.1  # minp: keep x iff p(x) >= p_base * max p
+    eps: float = 0.09  # eta: keep x iff p(x) >= min(eps, delta * exp(-H(p)))
+    delta: float | None = None  # eta: defaults to sqrt(eps), Medusa's typical-acceptance alpha
+    lam: float = 0.5  # cos and overshoot: weight of p in the mixture lam * p + (1 - lam) * q
+    lenience: float = 0.5  # lenience: accept with min(1, p / (l * q)); l < 1 is more lenient
+    ceiling: float = 2.0  # overshoot: an overshot token (q > p) gets at most c * p(x)
+
+    def __post_init__(self):
+        if self.name not in VERIFIERS:
+            raise ValueError(f"unknown verifier {self.name!r}; choose from {', '.join(VERIFIERS)}")
+        checks = {"minp": (0 <= self.p_base <= 1, f"p_base must lie in [0, 1], got {self.p_base}"),
+                  "eta": (self.eps > 0 and (self.delta is None or 0 < self.delta <= 1),
+                          f"eta needs eps > 0 and delta in (0, 1], got eps={self.eps} delta={self.delta}"),
+                  "cos": (0 <= self.lam <= 1, f"lam must lie in [0, 1], got {self.lam}"),
+                  "lenience": (self.lenience > 0, f"lenience l must be > 0, got {self.lenience}"),
+                  "overshoot": (0 <= self.lam <= 1 and self.ceiling >= 1,
+                                f"overshoot needs lam in [0, 1] and c >= 1, got lam={self.lam} c={self.ceiling}")}
+        ok, message = checks.get(self.name, (True, ""))
+        if not ok:
+            raise ValueError(message)
+
+    @property
+    def family(self) -> str:
+        return {"greedy": "exact", "lossless": "exact", "minp": "truncation", "eta": "truncation"}.get(
+            self.name, "collaborative")
+
+
+# -----------------------------------------------------------------------------
+# Sampling controls, applied to p (and to the draft's q) the same way for every verifier
+
+def probs_from_logits(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
+    """(..., V) logits -> (..., V) probabilities; temperature 0 is the one-hot argmax."""
+    if temperature <= 0:
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+# -----------------------------------------------------------------------------
+# The pieces each rule is built from, elementwise so the sampler and the closed form share them
+
+def allowed_set(p: torch.Tensor, v: Verifier) -> torch.Tensor:
+    """Truncation family: (..., V) bool mask of the tokens p allows. The argmax is always in."""
+    top = p.max(-1, keepdim=True).values
+    if v.name == "minp":
+        allowed = p >= v.p_base * top
+    else:
+        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1, keepdim=True)
+        delta = math.sqrt(v.eps) if v.delta is None else v.delta
+        allowed = p >= torch.clamp(delta * torch.exp(-entropy), max=v.eps)
+    return allowed | (p == top)
+
+
+def accept_target(p_x: torch.Tensor, q_x: torch.Tensor, v: Verifier) -> torch.Tensor:
+    """Collaborative and lossless rules accept x with min(1, t(x) / q(x)); this is t."""
+    if v.name == "lossless":
+        return p_x
+    if v.name == "lenience":
+        return p_x / v.lenience
+    mix = v.lam * p_x + (1 - v.lam) * q_x
+    if v.name == "cos":
+        return mix
+    # overshoot ceiling: min(mix, c * p). The max() is an identity in exact arithmetic (mix >=
+    # min(p, q)) that keeps rounding from breaking the c = 1 -> lossless identity bit for bit.
+    return torch.minimum(v.ceiling * p_x, torch.maximum(mix, torch.minimum(p_x, q_x)))
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)), the mass the draft under-proposed; p itself where q covers p."""
+    r = (p - q).clamp_min(0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp_min(1e-30), p)
+
+
+# -----------------------------------------------------------------------------
+# The sampler
+
+def verify(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor, v: Verifier,
+           generator: torch.Generator | None = None):
+    """Returns (n_accepted (B,), next_token (B,)). p (B, k+1, V), q (B, k, V) or None, draft (B, k)."""
+    B, k = draft_tokens.shape
+    rows = torch.arange(B, device=p.device)
+    if k == 0:  # plain decoding: no draft, the next token comes straight from p
+        accepted = torch.zeros(B, 0, dtype=torch.bool, device=p.device)
+    elif v.name == "greedy":
+        accepted = p[:, :k].argmax(-1) == draft_tokens
+    elif v.family == "truncation":
+        accepted = allowed_set(p[:, :k], v).gather(-1, draft_tokens[..., None])[..., 0]
+    else:
+        p_x = p[:, :k].gather(-1, draft_tokens[..., None])[..., 0]  # (B, k)
+        q_x = torch.ones_like(p_x) if q is None else q.gather(-1, draft_tokens[..., None])[..., 0]
+        u = torch.rand(B, k, generator=generator, device=p.device)
+        accepted = u < (accept_target(p_x, q_x, v) / q_x).clamp(max=1.0)
+    n = accepted.long().cumprod(-1).sum(-1)  # (B,) length of the all-accepted prefix
+
+    # the distribution of the next token: a correction at position n < k, or the bonus p[k]
+    p_n = p[rows, n]  # (B, V)
+    if v.name == "greedy":
+        return n, p_n.argmax(-1)
+    rejected = (n < k)[:, None]
+    if v.family == "truncation" and k > 0:
+        allowed = allowed_set(p_n, v)
+        fix = p_n * allowed
+        fix = fix / fix.sum(-1, keepdim=True)
+    elif k > 0:
+        n_clamped = n.clamp(max=k - 1)
+        if q is None:  # deterministic draft: q is one-hot at the drafted token
+            q_n = torch.zeros_like(p_n).scatter_(-1, draft_tokens[rows, n_clamped][:, None], 1.0)
+        else:
+            q_n = q[rows, n_clamped]
+        fix = residual(p_n, q_n)
+    else:
+        fix = p_n
+    dist = torch.where(rejected, fix, p_n)
+    return n, torch.multinomial(dist, 1, generator=generator)[:, 0]
+
+
+# -----------------------------------------------------------------------------
+# Closed forms
+
+def induced(p: torch.Tensor, q: torch.Tensor, v: Verifier) -> torch.Tensor:
+    """The one-step output distribution (V,) (or batched (..., V)) of verifying one drafted token
+    x ~ q against target p: P(out = y) = P(x = y accepted) + P(reject) * P(correction = y).
+      greedy:     one-hot argmax p
+      lossless:   min(q, p) + (1 - sum min(q, p)) * norm(max(0, p - q))   (= p)
+      minp, eta:  q * 1_A + (1 - q(A)) * p_A,   A the allowed set, p_A = norm(p * 1_A)
+      cos:        min(q, m) + (1 - sum min(q, m)) * r,  m = lam p + (1-lam) q, r = norm(max(0, p - q))
+                  (= m: the output is the mixture itself)
+      lenience:   min(q, p / l) + (1 - sum min(q, p / l)) * r
+      overshoot:  min(q, t) + (1 - sum min(q, t)) * r,  t = min(m, c p): an overshot token
+                  (q > p, so r = 0 there) gets min(q, m, c p) <= c p; the rest is refilled from r
+    A deterministic draft proposing x is the case q = one-hot(x)."""
+    if v.name == "greedy":
+        return torch.zeros_like(p).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)
+    if v.family == "truncation":
+        allowed = allowed_set(p, v)
+        p_allowed = p * allowed / (p * allowed).sum(-1, keepdim=True)
+        q_in = (q * allowed).sum(-1, keepdim=True)
+        return q * allowed + (1 - q_in) * p_allowed
+    kept = torch.minimum(q, accept_target(p, q, v))
+    return kept + (1 - kept.sum(-1, keepdim=True)).clamp_min(0) * residual(p, q)
+
+
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor, v: Verifier) -> torch.Tensor:
+    """P(the drafted token x ~ q is kept), (...,) from (..., V)."""
+    if v.name == "greedy":
+        return q.gather(-1, p.argmax(-1, keepdim=True))[..., 0]
+    if v.family == "truncation":
+        return (q * allowed_set(p, v)).sum(-1)
+    return torch.minimum(q, accept_target(p, q, v)).sum(-1)
