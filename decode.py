@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import model as M
-from draft import LookupDraft, ModelDraft
+from draft import DFlashDrafter, Eagle3Drafter, LookupDraft, ModelDraft, draft_kind, load_draft
 from verify import VERIFIERS, Verifier, probs_from_logits, verify
 
 
@@ -56,11 +56,17 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
         raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + {k} drafted needs {need} positions; "
                          f"the context holds {target.max_seq_len} (lower --max-new-tokens or raise --max-seq-len)")
     k = k if draft is not None else 0
+    layers = getattr(draft, "target_layers", ())  # EAGLE-3 / DFlash read the target's hidden states
     t_start = time.perf_counter()
+    features = torch.zeros(0, 0, device=device)
     if L > 1:  # everything but the last prompt token; each step starts by feeding that one
-        target(torch.tensor([prompt_ids[:-1]], device=device), torch.arange(L - 1, device=device),
-               last_logits_only=True)
-    if draft is not None:
+        result = target(torch.tensor([prompt_ids[:-1]], device=device), torch.arange(L - 1, device=device),
+                        hidden_layers=layers, last_logits_only=True)
+        if layers:
+            features = torch.cat(result[1], -1)[0]  # (L-1, len(layers) * dim)
+    if layers:
+        draft.start(prompt_ids, features)
+    elif draft is not None:
         draft.start(prompt_ids)
     sync()
     t_prefill = time.perf_counter() - t_start
@@ -79,7 +85,8 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
             draft_seconds += time.perf_counter() - t0
         n_draft = len(tokens)
         x = torch.cat([torch.tensor([seq[-1]]), tokens.cpu()]).to(device)[None]  # (1, n_draft+1)
-        logits = step_fn(x, torch.arange(len(seq) - 1, len(seq) + n_draft, device=device))
+        result = step_fn(x, torch.arange(len(seq) - 1, len(seq) + n_draft, device=device), hidden_layers=layers)
+        logits, hidden = result if layers else (result, None)
         forwards += 1
         p = probs_from_logits(logits[0], temperature, top_p)  # (n_draft+1, V)
         n, next_token = verify(p[None], None if q is None else q.to(device)[None], tokens.to(device)[None],
@@ -99,7 +106,10 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
         if on_tokens is not None:
             on_tokens(out)
         if draft is not None and not stopped and len(new) < max_new_tokens:
-            draft.commit(out, n)
+            if layers:  # the states of the committed positions: the fed token and the n kept
+                draft.commit(out, n, torch.cat(hidden, -1)[0, :n + 1])
+            else:
+                draft.commit(out, n)
     sync()
     seconds = time.perf_counter() - t_start
     return {
@@ -148,11 +158,30 @@ def read_prompts(path) -> list:
     return [path.read_text()]
 
 
+EARLY_EXIT_DEFAULTS = {"eagle3": 0.5, "dflash": 0.6}  # the VAT paper's thresholds
+
+
 def build_draft(spec: str, target, tokenizer, args, device, dtype, generator):
-    """--draft lookup | NAME_OR_PATH of an independent model sharing the target's tokenizer."""
+    """--draft lookup | eagle3:PATH | dflash:PATH | a trained draft's directory (its config says
+    which) | NAME_OR_PATH of an independent model sharing the target's tokenizer."""
     if spec == "lookup":
         return LookupDraft()
-    path = M.resolve_model(spec)
+    kind, _, where = spec.partition(":") if spec.split(":")[0] in ("eagle3", "dflash") else ("", "", spec)
+    path = M.resolve_model(where)
+    if not kind and (path / "config.json").is_file():
+        config = M.read_config(path)
+        kind = draft_kind(config) if config.get("model_type") not in M.SUPPORTED or \
+            "draft_vocab_size" in config or "dflash_config" in config else ""
+    if kind:
+        found, net = load_draft(path, target)
+        if found != kind:
+            raise ValueError(f"{path} holds a {found} draft, not {kind}")
+        early_exit = getattr(args, "early_exit", None)
+        early_exit = EARLY_EXIT_DEFAULTS[kind] if early_exit == "auto" else early_exit
+        common = dict(temperature=args.temperature, top_p=args.top_p, generator=generator, early_exit=early_exit)
+        if kind == "eagle3":
+            return Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, target.max_seq_len, **common)
+        return DFlashDrafter(net, target.embed_tokens, target.lm_head, target.max_seq_len, **common)
     draft_model = M.load_model(path, dtype=dtype, device=device)
     if draft_model.args.vocab_size != target.args.vocab_size:
         raise ValueError(f"draft {spec} has a vocabulary of {draft_model.args.vocab_size} tokens, "
@@ -176,6 +205,9 @@ def get_args(argv=None):
     ap.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
                     help="'none' is plain autoregressive decoding; default: greedy at T=0, else lossless")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="tokens drafted per step")
+    ap.add_argument("--early-exit", nargs="?", const="auto", default=None, type=lambda v: v if v == "auto" else float(v),
+                    help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls below "
+                         "this (bare flag: 0.5 for EAGLE-3, 0.6 for DFlash)")
     ap.add_argument("--p-base", type=float, default=0.1, help="minp: keep x iff p(x) >= p_base * max p")
     ap.add_argument("--eps", type=float, default=0.09, help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p)))")
     ap.add_argument("--delta", type=float, default=None, help="eta: default sqrt(eps)")

@@ -117,6 +117,13 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return inv_freq.float()
 
 
+def rope_table(args: ModelArgs, max_seq_len: int):
+    """cos and sign-folded sin tables, (max_seq_len, head_dim) each."""
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_inv_freq(args))
+    cos, sin = freqs.cos(), freqs.sin()  # (max_seq_len, head_dim // 2)
+    return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+
+
 def apply_rope(x, cos, sin_signed):
     # HF's x * cos + rotate_half(x) * sin, with rotate_half's sign folded into the table: fewer ops
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
@@ -141,17 +148,19 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, in_dim: int | None = None):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
         # q, k and v in one matmul: fewer, larger ops is what makes CPU decode fast
-        self.qkv_proj = nn.Linear(args.dim, (args.n_head + 2 * args.n_kv_head) * args.head_dim, bias=args.qkv_bias)
+        self.qkv_proj = nn.Linear(in_dim or args.dim, (args.n_head + 2 * args.n_kv_head) * args.head_dim,
+                                  bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, mask, input_pos, kv_len):
+    def project(self, x, cos, sin):
+        """(B, T, in_dim) -> q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), RoPE applied."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
@@ -161,12 +170,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, T, head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q, k, v, mask):
+        """Attention of q over the keys k, v given, (B, heads, T, head_dim) -> (B, T, dim)."""
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
+        return self.o_proj(y.transpose(1, 2).flatten(2))
+
+    def forward(self, x, cos, sin, mask, input_pos, kv_len):
+        q, k, v = self.project(x, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, kv_heads, max_seq_len, head_dim)
         # only the first kv_len cache slots can be visible; attending to the rest is wasted bandwidth
-        k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.attend(q, k[:, :, :kv_len], v[:, :, :kv_len], mask)
 
 
 class MLP(nn.Module):
@@ -213,10 +228,9 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_len,
                                                self.args.head_dim, p.dtype, p.device)
-        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_inv_freq(self.args))
-        cos, sin = freqs.cos(), freqs.sin()  # (max_seq_len, head_dim // 2)
-        self.register_buffer("rope_cos", torch.cat((cos, cos), -1).to(p.device, p.dtype), persistent=False)
-        self.register_buffer("rope_sin", torch.cat((-sin, sin), -1).to(p.device, p.dtype), persistent=False)
+        cos, sin = rope_table(self.args, max_seq_len)
+        self.register_buffer("rope_cos", cos.to(p.device, p.dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(p.device, p.dtype), persistent=False)
 
     def forward(self, tokens, input_pos, hidden_layers=(), last_logits_only=False):
         """tokens (B, T) at absolute positions input_pos (T,), contiguous and increasing.
@@ -231,17 +245,16 @@ class Transformer(nn.Module):
         mask = None if T == 1 and not self.attend_full_cache else \
             torch.arange(kv_len, device=tokens.device) <= input_pos[:, None]  # (T, kv_len)
         x = self.embed_tokens(tokens)  # (B, T, dim)
-        hidden = []
+        hidden = {}
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
-                hidden.append(x)
+                hidden[i] = x
             x = layer(x, cos, sin, mask, input_pos, kv_len)
-        if self.args.n_layer in hidden_layers:
-            hidden.append(x)
+        hidden[self.args.n_layer] = x
         if last_logits_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))
-        return (logits, hidden) if hidden_layers else logits
+        return (logits, [hidden[i] for i in hidden_layers]) if hidden_layers else logits
 
 
 class PackedLinear(nn.Module):
@@ -311,6 +324,37 @@ def read_safetensors(model_dir: Path) -> dict:
     return tensors
 
 
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_hf(sd: dict) -> dict:
+    """HF's separate q/k/v and gate/up matrices (weights and biases) -> our fused ones."""
+    sd = dict(sd)
+    for key in [k for k in sd if ".self_attn.q_proj." in k or ".mlp.gate_proj." in k]:
+        for fused, parts in FUSED.items():
+            if f".{parts[0]}." in key:
+                names = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+                if all(n in sd for n in names):
+                    sd[key.replace(f".{parts[0]}.", f".{fused}.")] = torch.cat([sd.pop(n) for n in names])
+    return sd
+
+
+def unfuse_to_hf(sd: dict, args: ModelArgs) -> dict:
+    """The inverse of fuse_hf, to save in the layout other tools (SGLang, vLLM) load."""
+    sizes = {"self_attn.qkv_proj": [args.n_head * args.head_dim] + [args.n_kv_head * args.head_dim] * 2,
+             "mlp.gate_up_proj": [args.intermediate_size] * 2}
+    out = {}
+    for key, t in sd.items():
+        fused = next((f for f in FUSED if f".{f}." in key), None)
+        if fused is None:
+            out[key] = t
+            continue
+        for part, chunk in zip(FUSED[fused], t.split(sizes[fused])):
+            out[key.replace(f".{fused}.", f".{part}.")] = chunk
+    return out
+
+
 def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
     """Rename HF keys to ours and fuse q/k/v and gate/up into single matrices."""
     sd = {}
@@ -320,16 +364,7 @@ def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
         if args.tie_word_embeddings and key == "lm_head.weight":
             continue  # some tied checkpoints still store a copy
         sd[key] = t
-    for i in range(args.n_layer):
-        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        for kind in ("weight", "bias") if args.qkv_bias else ("weight",):
-            parts = [sd.pop(f"{a}{p}_proj.{kind}", None) for p in "qkv"]
-            if all(t is not None for t in parts):
-                sd[f"{a}qkv_proj.{kind}"] = torch.cat(parts)
-        parts = [sd.pop(f"{m}{p}_proj.weight", None) for p in ("gate", "up")]
-        if all(t is not None for t in parts):
-            sd[f"{m}gate_up_proj.weight"] = torch.cat(parts)
-    return sd
+    return fuse_hf(sd)
 
 
 def load_model(model_dir, dtype=torch.float32, device="cpu") -> Transformer:
