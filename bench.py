@@ -1,25 +1,37 @@
 """
 The end-to-end benchmark: what each draft and verifier buys in acceptance length (tau) and
-wall-clock speed over plain autoregressive decoding, measured side by side in one run.
+wall-clock speed over plain autoregressive decoding, and what each lossy verifier costs in task
+quality, measured side by side in one run.
 
-Runs are interleaved prompt by prompt (A B C A B C ...) after a warm-up, so that machine drift
-cancels in the ratios; every speedup is the median over prompts of (tokens/s of the run) /
-(tokens/s of the baseline on the same prompt), with its interquartile range.
+Speed runs are interleaved prompt by prompt (A B C A B C ...) after a warm-up, so that machine
+drift cancels in the ratios: every speedup is the median over prompts of (tokens/s of the run) /
+(tokens/s of the plain baseline on the same prompt), with its interquartile range.
 
-    python bench.py --quick                                   # a smoke test: 2 prompts, few tokens
-    python bench.py --limit 5 --drafts lookup --verifiers greedy --temperatures 0
-    python bench.py --prompt-file my.jsonl --peers            # add transformers' generate
+Quality runs sweep each lossy verifier's parameter on GSM8K (exact match) and HumanEval (pass@1,
+the generated code run in a subprocess with a timeout and no network), next to lossless and plain
+sampling, each with a 95% Wilson interval so a real drop can be told from noise.
 
-Writes a markdown table to stdout, every raw number and the configuration to --out (JSON), and
-ends stdout with one JSON line of headline figures.
+    python bench.py --quick                                      # smoke test (CI runs it)
+    python bench.py --limit 5 --drafts lookup,drafts/smollm2-135m-eagle3-vat --temperatures 0
+    python bench.py --prompt-file my.jsonl --peers               # add transformers' generate
+    python bench.py --quality gsm8k,humaneval --quality-limit 50 --speed-off
+
+Writes a markdown table to stdout, every raw number and the configuration to --out (JSON), PNG
+plots beside it, and ends stdout with one JSON line of headline figures.
 """
 import argparse
+import gzip
 import json
+import math
+import os
 import platform
+import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,12 +39,24 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from decode import build_draft, default_device, generate, load_target, prompt_text
+from decode import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULTS, build_draft, default_device, generate, load_target, prompt_text
 from verify import VERIFIERS, Verifier
 
 ROOT = Path(__file__).resolve().parent
-SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
+DATA = ROOT.parent / "shared" / "data"
+SPEC_BENCH = DATA / "spec_bench_questions.jsonl"
 
+# the quality sweep: each lossy verifier's parameter, from near-lossless to lenient
+SWEEP = [("lossless", {})] + \
+    [("minp", {"p_base": v}) for v in (0.3, 0.1, 0.02)] + \
+    [("eta", {"eps": v}) for v in (0.01, 0.09, 0.3)] + \
+    [("cos", {"lam": v}) for v in (0.75, 0.5, 0.25)] + \
+    [("lenience", {"lenience": v}) for v in (0.75, 0.5, 0.25)] + \
+    [("overshoot", {"ceiling": v, "lam": 0.5}) for v in (1.5, 2.0, 4.0)]
+
+
+# -----------------------------------------------------------------------------
+# Prompts and tasks
 
 def load_prompts(path: Path, categories, limit: int | None) -> list:
     """[(category, text)] from a Spec-Bench-like jsonl; `limit` prompts per category."""
@@ -55,6 +79,62 @@ def load_prompts(path: Path, categories, limit: int | None) -> list:
     return out
 
 
+def gsm8k_problems(limit: int) -> list:
+    rows = [json.loads(line) for line in (DATA / "gsm8k_test.jsonl").read_text().splitlines()[:limit]]
+    return [{"prompt": r["question"] + "\nSolve it step by step and end with 'The answer is N.'",
+             "answer": r["answer"].split("####")[-1].strip().replace(",", "")} for r in rows]
+
+
+def gsm8k_correct(text: str, answer: str) -> bool:
+    """The last number in the response, against the reference after '####'."""
+    numbers = re.findall(r"-?\d[\d,]*\.?\d*", text)
+    if not numbers:
+        return False
+    try:
+        return abs(float(numbers[-1].replace(",", "").rstrip(".")) - float(answer)) < 1e-6
+    except ValueError:
+        return False
+
+
+def humaneval_problems(limit: int) -> list:
+    with gzip.open(DATA / "HumanEval.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f][:limit]
+    return [{"prompt": "Complete this Python function. Reply with the whole function in a ```python block.\n\n"
+                       f"```python\n{r['prompt']}```", "code": r["prompt"], "test": r["test"],
+             "entry_point": r["entry_point"]} for r in rows]
+
+
+def humaneval_passes(problem: dict, response: str, timeout: float = 10.0) -> bool:
+    """Run the answer against the problem's tests in a fresh interpreter, without network."""
+    blocks = re.findall(r"```(?:python)?\n(.*?)(?:```|$)", response, re.S)
+    code = blocks[0] if blocks else response
+    if f"def {problem['entry_point']}" not in code:  # a body only: complete the given signature
+        code = problem["code"] + code
+    else:  # keep the prompt's imports and helpers in front of the whole function
+        code = problem["code"].split(f"def {problem['entry_point']}")[0] + code
+    program = f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "prog.py").write_text(program)
+        cmd = [sys.executable, "-I", "prog.py"]
+        if shutil.which("unshare") and os.geteuid() == 0:
+            cmd = ["unshare", "--net"] + cmd  # a private network namespace: no network at all
+        try:
+            r = subprocess.run(cmd, cwd=d, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+    return r.returncode == 0
+
+
+def wilson(successes: int, n: int, z: float = 1.96):
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def quartiles(xs):
     xs = sorted(xs)
     if len(xs) < 2:
@@ -63,8 +143,24 @@ def quartiles(xs):
     return q[0], q[1], q[2]
 
 
+# -----------------------------------------------------------------------------
+# Runs
+
+def draft_label(spec: str) -> str:
+    base = spec[:-3] if spec.endswith("@ee") else spec
+    name = base if base == "lookup" else Path(base.split(":", 1)[-1]).name
+    return name + (" +early-exit" if spec.endswith("@ee") else "")
+
+
+def make_draft(spec, target, tokenizer, temperature, device, dtype, generator):
+    """A draft spec as decode.py takes it, optionally suffixed @ee for the paper's early exit."""
+    early_exit = "auto" if spec.endswith("@ee") else None
+    ns = argparse.Namespace(temperature=temperature, top_p=1.0, pack=True, early_exit=early_exit)
+    return build_draft(spec[:-3] if spec.endswith("@ee") else spec, target, tokenizer, ns, device, dtype, generator)
+
+
 def hf_peer(target_dir, kind: str, k: int):
-    """transformers' generate (kind='generate') or its prompt-lookup assisted generation, on the same weights."""
+    """transformers' generate, or its prompt-lookup assisted generation, on the same weights."""
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
@@ -78,26 +174,185 @@ def hf_peer(target_dir, kind: str, k: int):
         seconds = time.perf_counter() - t0
         new = out[0, len(ids):].tolist()
         return {"tokens": new, "new_tokens": len(new), "seconds": seconds, "tokens_per_s": len(new) / seconds,
-                "tau": None, "target_forwards": None, "draft_seconds": 0.0, "accepted_per_position": []}
+                "tau": None, "target_forwards": None, "draft_seconds": 0.0, "accepted_per_position": [],
+                "drafted_tokens": 0, "early_exit_saved": 0}
     return run
 
 
+def speed_runs(args, target, tokenizer, dtype, generator):
+    """Every draft x verifier x temperature and the baseline, interleaved prompt by prompt."""
+    stop_ids = tokenizer.stop_ids
+    runs = {}  # name -> (temperature, function(ids) -> result)
+    for temperature in args.temperatures:
+        runs[f"baseline T={temperature:g}"] = (temperature, None)
+        for spec in args.drafts:
+            draft = make_draft(spec, target, tokenizer, temperature, args.device, dtype, generator)
+            for name in args.verifiers:
+                if name == "greedy" and temperature > 0:
+                    continue
+                runs[f"{draft_label(spec)} {name} T={temperature:g}"] = (temperature, (draft, Verifier(name)))
+        if args.peers:
+            target_dir = M.resolve_model(args.target)
+            for kind, label in (("generate", "transformers generate"), ("assisted", "transformers assisted lookup")):
+                runs[f"{label} T={temperature:g}"] = (temperature, hf_peer(target_dir, kind, args.num_draft_tokens))
+
+    def run(name, ids):
+        temperature, how = runs[name]
+        if callable(how):
+            return how(ids, args.max_new_tokens, temperature, stop_ids)
+        draft, verifier = how or (None, Verifier("greedy"))
+        return generate(target, ids, draft, verifier, args.num_draft_tokens if draft else 0, args.max_new_tokens,
+                        temperature, 1.0, stop_ids, generator)
+
+    prompts = load_prompts(Path(args.prompt_file), args.categories, args.limit)
+    encoded = [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
+    for _, ids in encoded[:args.warmup]:
+        for name in runs:
+            run(name, ids)
+    records = {name: [] for name in runs}
+    for i, (category, ids) in enumerate(tqdm(encoded, desc="speed runs (prompts)", file=sys.stderr)):
+        for name in runs:  # every configuration on this prompt before the next prompt
+            r = run(name, ids)
+            r.update(prompt=i, category=category)
+            records[name].append(r)
+    summary = {}
+    for name, rs in records.items():
+        base = records[f"baseline T={runs[name][0]:g}"]
+        lo, med, hi = quartiles([r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base)])
+        tps = quartiles([r["tokens_per_s"] for r in rs])
+        ours = [r for r in rs if r["target_forwards"]]
+        per_category = {}
+        for r in ours:
+            c = per_category.setdefault(r["category"], [0, 0])
+            c[0], c[1] = c[0] + r["new_tokens"], c[1] + r["target_forwards"]
+        k = max((len(r["accepted_per_position"]) for r in rs), default=0)
+        summary[name] = {
+            "temperature": runs[name][0],
+            "tokens_per_s_median": tps[1], "tokens_per_s_iqr": [tps[0], tps[2]],
+            "speedup_median": med, "speedup_iqr": [lo, hi],
+            "tau": sum(r["new_tokens"] for r in ours) / sum(r["target_forwards"] for r in ours) if ours else None,
+            "tau_per_category": {c: n / f for c, (n, f) in per_category.items()},
+            "acceptance_per_position": [statistics.mean(r["accepted_per_position"][i] for r in rs
+                                                        if len(r["accepted_per_position"]) > i) for i in range(k)],
+            "draft_time_fraction": sum(r["draft_seconds"] for r in rs) / sum(r["seconds"] for r in rs),
+            "drafted_tokens": sum(r.get("drafted_tokens", 0) for r in rs),
+            "early_exit_saved": sum(r.get("early_exit_saved", 0) for r in rs),
+            "new_tokens": sum(r["new_tokens"] for r in rs),
+            "target_forwards": sum(r["target_forwards"] or 0 for r in rs),
+        }
+    return summary, records
+
+
+def quality_runs(args, target, tokenizer, dtype, generator):
+    """The lossy-verifier sweep on GSM8K / HumanEval, every configuration on every problem."""
+    spec = args.quality_draft
+    draft = make_draft(spec, target, tokenizer, args.quality_temperature, args.device, dtype, generator)
+    configs = [("plain sampling", None, {})] + [(f"{n} " + " ".join(f"{k}={v:g}" for k, v in p.items()),
+                                                 n, p) for n, p in SWEEP]
+    out = {}
+    for task in args.quality:
+        problems = gsm8k_problems(args.quality_limit) if task == "gsm8k" else humaneval_problems(args.quality_limit)
+        results = {label: {"correct": 0, "new": 0, "forwards": 0} for label, _, _ in configs}
+        for problem in tqdm(problems, desc=f"quality {task}", file=sys.stderr):
+            ids = tokenizer.encode_chat([{"role": "user", "content": problem["prompt"]}])
+            for label, name, params in configs:
+                verifier = Verifier(name or "lossless", **params)
+                r = generate(target, ids, draft if name else None, verifier, args.num_draft_tokens if name else 0,
+                             args.quality_max_new_tokens, args.quality_temperature, 1.0, tokenizer.stop_ids, generator)
+                text = tokenizer.decode([t for t in r["tokens"] if t not in tokenizer.stop_ids])
+                ok = gsm8k_correct(text, problem["answer"]) if task == "gsm8k" else humaneval_passes(problem, text)
+                res = results[label]
+                res["correct"] += ok
+                res["new"] += r["new_tokens"]
+                res["forwards"] += r["target_forwards"]
+        for label, res in results.items():
+            n = len(problems)
+            res.update(n=n, accuracy=res["correct"] / n, ci95=wilson(res["correct"], n),
+                       block_efficiency=res["new"] / max(res["forwards"], 1),
+                       family=Verifier(label.split()[0]).family if label != "plain sampling" else "plain")
+        out[task] = results
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Report
+
+def plots(summary, quality, out_dir: Path, stem: str) -> list:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    drafts = {n: s for n, s in summary.items() if s["tau"] and not n.startswith("baseline")}
+    if drafts:  # tau per task group for each draft
+        cats = sorted({c for s in drafts.values() for c in s["tau_per_category"]})
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats)), 4))
+        width = 0.8 / len(drafts)
+        for i, (name, s) in enumerate(drafts.items()):
+            ax.bar([j + i * width for j in range(len(cats))], [s["tau_per_category"].get(c, 0) for c in cats],
+                   width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=30, ha="right")
+        ax.set_ylabel("tau (tokens per target forward)")
+        ax.axhline(1, color="grey", lw=0.5)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out_dir / f"{stem}-tau-per-task.png")
+        fig.savefig(written[-1], dpi=120)
+        # acceptance rate by draft position
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, s in drafts.items():
+            if s["acceptance_per_position"]:
+                ax.plot(range(1, len(s["acceptance_per_position"]) + 1), s["acceptance_per_position"], "o-", label=name)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("fraction of blocks that kept it")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out_dir / f"{stem}-acceptance-by-position.png")
+        fig.savefig(written[-1], dpi=120)
+    for task, results in (quality or {}).items():  # block efficiency versus quality per family
+        fig, ax = plt.subplots(figsize=(6, 4))
+        families = {}
+        for label, r in results.items():
+            families.setdefault(r["family"], []).append(r)
+        for family, rs in families.items():
+            ax.errorbar([r["block_efficiency"] for r in rs], [r["accuracy"] for r in rs],
+                        yerr=[[r["accuracy"] - r["ci95"][0] for r in rs], [r["ci95"][1] - r["accuracy"] for r in rs]],
+                        fmt="o", capsize=3, label=family)
+        ax.set_xlabel("block efficiency (tokens per target forward)")
+        ax.set_ylabel("accuracy" if task == "gsm8k" else "pass@1")
+        ax.set_title(task)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out_dir / f"{stem}-{task}-tradeoff.png")
+        fig.savefig(written[-1], dpi=120)
+    plt.close("all")
+    return written
+
+
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(description="Speculative decoding benchmark, runs interleaved side by side.",
+    ap = argparse.ArgumentParser(description="Speculative decoding benchmark: speed and quality, side by side.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--target", default=M.DEFAULT_TARGET)
-    ap.add_argument("--drafts", default="lookup",
-                    help="comma-separated drafts: lookup, a model name/path (independent draft)")
-    ap.add_argument("--verifiers", default="greedy,lossless",
-                    help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0")
+    committed = DEFAULT_DRAFTS.get(M.DEFAULT_TARGET)
+    default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
+    ap.add_argument("--drafts", default=default_drafts,
+                    help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds the "
+                         "paper's early exit (0.5 EAGLE-3, 0.6 DFlash)")
+    ap.add_argument("--verifiers", default="greedy,lossless", help=f"comma-separated, from {','.join(VERIFIERS)}; "
+                    "greedy runs only at T=0")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
-    ap.add_argument("-k", "--num-draft-tokens", type=int, default=5)
+    ap.add_argument("-k", "--num-draft-tokens", type=int, default=7)
     ap.add_argument("--prompt-file", default=str(SPEC_BENCH), help="Spec-Bench-style jsonl (or any supported jsonl)")
     ap.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
-    ap.add_argument("--limit", type=int, default=2, help="prompts per category")
+    ap.add_argument("--limit", type=int, default=3, help="prompts per category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--warmup", type=int, default=1, help="untimed runs of each configuration first")
+    ap.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
     ap.add_argument("--peers", action="store_true", help="also run transformers' generate and assisted lookup")
+    ap.add_argument("--speed-off", action="store_true", help="skip the speed runs")
+    ap.add_argument("--quality", default="", help="comma-separated quality tasks: gsm8k, humaneval")
+    ap.add_argument("--quality-limit", type=int, default=20, help="problems per quality task")
+    ap.add_argument("--quality-draft", default=None, help="draft for the quality sweep (default: the first of --drafts)")
+    ap.add_argument("--quality-temperature", type=float, default=1.0)
+    ap.add_argument("--quality-max-new-tokens", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=default_device())
@@ -106,121 +361,67 @@ def get_args(argv=None):
     if args.quick:
         args.limit, args.max_new_tokens, args.warmup = 1, 16, 0
         args.categories = args.categories or "writing,translation"
-    if args.num_draft_tokens < 1 or args.max_new_tokens < 1 or args.limit < 1:
-        ap.error("-k, --max-new-tokens and --limit must be >= 1")
+    if min(args.num_draft_tokens, args.max_new_tokens, args.limit, args.quality_limit) < 1:
+        ap.error("-k, --max-new-tokens, --limit and --quality-limit must be >= 1")
+    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.verifiers = args.verifiers.split(",")
+    args.drafts = [d for d in args.drafts.split(",") if d]
+    args.categories = args.categories.split(",") if args.categories else None
+    args.quality = [t for t in args.quality.split(",") if t]
+    if any(t not in ("gsm8k", "humaneval") for t in args.quality):
+        ap.error("--quality takes gsm8k and/or humaneval")
+    args.quality_draft = args.quality_draft or (args.drafts[0] if args.drafts else "lookup")
+    for name in args.verifiers:
+        Verifier(name)  # unknown names fail before anything loads
     return args
 
 
 def main(argv=None):
     args = get_args(argv)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    temperatures = [float(t) for t in args.temperatures.split(",")]
-    verifier_names = args.verifiers.split(",")
-    for name in verifier_names:
-        Verifier(name)  # unknown names fail before anything loads
-    prompts = load_prompts(Path(args.prompt_file), args.categories and args.categories.split(","), args.limit)
     target, tokenizer = load_target(args.target, args.device, dtype, 4096)
-    stop_ids = tokenizer.stop_ids
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    summary, records = ({}, {}) if args.speed_off else speed_runs(args, target, tokenizer, dtype, generator)
+    quality = quality_runs(args, target, tokenizer, dtype, generator) if args.quality else {}
 
-    # every configuration: a name and a function (prompt ids, temperature) -> result dict
-    configs = {}
-    for temperature in temperatures:
-        configs[f"baseline T={temperature:g}"] = (temperature, None, None)
-        for draft_spec in args.drafts.split(","):
-            ns = argparse.Namespace(temperature=temperature, top_p=1.0, pack=True)
-            draft = build_draft(draft_spec, target, tokenizer, ns, args.device, dtype, generator)
-            for name in verifier_names:
-                if name == "greedy" and temperature > 0:
-                    continue
-                configs[f"{draft_spec}+{name} T={temperature:g}"] = (temperature, draft, Verifier(name))
-    peers = {}
-    if args.peers:
-        target_dir = M.resolve_model(args.target)
-        peers = {"transformers generate": hf_peer(target_dir, "generate", args.num_draft_tokens),
-                 "transformers assisted lookup": hf_peer(target_dir, "assisted", args.num_draft_tokens)}
-
-    def run(name, ids):
-        if name in peers:
-            return peers[name](ids, args.max_new_tokens, temperature_of[name], stop_ids)
-        temperature, draft, verifier = configs[name]
-        return generate(target, ids, draft, verifier or Verifier("greedy"),
-                        args.num_draft_tokens if draft else 0, args.max_new_tokens, temperature, 1.0,
-                        stop_ids, generator)
-
-    temperature_of = {name: c[0] for name, c in configs.items()}
-    for name in peers:
-        for temperature in temperatures:
-            temperature_of[f"{name} T={temperature:g}"] = temperature
-    peers = {f"{name} T={t:g}": fn for name, fn in peers.items() for t in temperatures}
-    names = list(configs) + list(peers)
-
-    encoded = [(category, tokenizer.encode_chat([{"role": "user", "content": text}])) for category, text in prompts]
-    for _, ids in encoded[:1] * args.warmup:
-        for name in names:
-            run(name, ids)
-    records = {name: [] for name in names}
-    for i, (category, ids) in enumerate(tqdm(encoded, desc="prompts", file=sys.stderr)):
-        for name in names:  # interleaved: every configuration on this prompt before the next prompt
-            r = run(name, ids)
-            r.update(prompt=i, category=category)
-            records[name].append(r)
-
-    # aggregate
-    summary = {}
-    for name in names:
-        rs = records[name]
-        base = records[f"baseline T={temperature_of[name]:g}"]
-        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base)]
-        lo, med, hi = quartiles(ratios)
-        tps = quartiles([r["tokens_per_s"] for r in rs])
-        forwards = [r["target_forwards"] for r in rs if r["target_forwards"]]
-        per_category = {}
-        for r in rs:
-            if r["target_forwards"]:
-                c = per_category.setdefault(r["category"], [0, 0])
-                c[0] += r["new_tokens"]
-                c[1] += r["target_forwards"]
-        k = max((len(r["accepted_per_position"]) for r in rs), default=0)
-        summary[name] = {
-            "tokens_per_s_median": tps[1], "tokens_per_s_iqr": [tps[0], tps[2]],
-            "speedup_median": med, "speedup_iqr": [lo, hi],
-            "tau": sum(r["new_tokens"] for r in rs) / sum(forwards) if forwards else None,
-            "tau_per_category": {c: n / f for c, (n, f) in per_category.items()},
-            "acceptance_per_position": [statistics.mean(r["accepted_per_position"][i] for r in rs
-                                                        if len(r["accepted_per_position"]) > i) for i in range(k)],
-            "draft_time_fraction": sum(r["draft_seconds"] for r in rs) / sum(r["seconds"] for r in rs),
-            "new_tokens": sum(r["new_tokens"] for r in rs),
-        }
-
-    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens max, k={args.num_draft_tokens}, "
-          f"{args.target} on {args.device} ({torch.get_num_threads()} threads)\n")
-    print("| run | tau | tokens/s (median) | speedup (median, IQR) | draft time |")
-    print("|---|---|---|---|---|")
-    for name, s in summary.items():
-        tau = f"{s['tau']:.2f}" if s["tau"] else "-"
-        print(f"| {name} | {tau} | {s['tokens_per_s_median']:.1f} | {s['speedup_median']:.2f}x "
-              f"({s['speedup_iqr'][0]:.2f}-{s['speedup_iqr'][1]:.2f}) | {100 * s['draft_time_fraction']:.0f}% |")
+    print(f"\n{args.target} on {args.device} ({torch.get_num_threads()} threads), k={args.num_draft_tokens}, "
+          f"{args.max_new_tokens} new tokens max\n")
+    if summary:
+        print("| run | tau | tokens/s (median) | speedup (median, IQR) | draft time |")
+        print("|---|---|---|---|---|")
+        for name, s in summary.items():
+            tau = f"{s['tau']:.2f}" if s["tau"] else "-"
+            print(f"| {name} | {tau} | {s['tokens_per_s_median']:.1f} | {s['speedup_median']:.2f}x "
+                  f"({s['speedup_iqr'][0]:.2f}-{s['speedup_iqr'][1]:.2f}) | {100 * s['draft_time_fraction']:.0f}% |")
+    for task, results in quality.items():
+        print(f"\n{task}, T={args.quality_temperature:g}, draft {draft_label(args.quality_draft)}\n")
+        print("| verifier | family | block efficiency | accuracy | 95% CI | n |")
+        print("|---|---|---|---|---|---|")
+        for label, r in results.items():
+            print(f"| {label} | {r['family']} | {r['block_efficiency']:.2f} | {r['accuracy']:.3f} | "
+                  f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | {r['n']} |")
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    result = {
-        "config": {**vars(args), "git_commit": commit, "torch": torch.__version__, "device": args.device,
-                   "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
-        "summary": summary,
-        "runs": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for name, rs in records.items()},
-    }
     out = Path(args.out or ROOT / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    images = plots(summary, quality, out.parent, out.stem)
+    result = {
+        "config": {**{k: v for k, v in vars(args).items()}, "git_commit": commit, "torch": torch.__version__,
+                   "device": args.device, "threads": torch.get_num_threads(),
+                   "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version(),
+                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
+        "speed": summary, "quality": quality, "plots": [str(p) for p in images],
+        "runs": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for name, rs in records.items()},
+    }
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
+    tmp.write_text(json.dumps(result, indent=1, default=str))
     tmp.replace(out)  # never a half-written results file
-    speedups = {n: s["speedup_median"] for n, s in summary.items() if not n.startswith("baseline")}
+    speedups = {n: s["speedup_median"] for n, s in summary.items() if not n.startswith(("baseline", "transformers"))}
     best = max(speedups, key=speedups.get) if speedups else None
     print(json.dumps({"results": str(out), "best": best, "best_speedup": speedups.get(best),
-                      "baseline_tokens_per_s": {n: s["tokens_per_s_median"] for n, s in summary.items()
-                                                if n.startswith("baseline")},
-                      "tau": {n: s["tau"] for n, s in summary.items() if s["tau"]}}))
+                      "tokens_per_s": {n: s["tokens_per_s_median"] for n, s in summary.items()},
+                      "tau": {n: s["tau"] for n, s in summary.items() if s["tau"]},
+                      "quality": {t: {l: r["accuracy"] for l, r in rs.items()} for t, rs in quality.items()}}))
 
 
 if __name__ == "__main__":

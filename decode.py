@@ -72,6 +72,7 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
     t_prefill = time.perf_counter() - t_start
     seq, new = list(prompt_ids), []
     forwards, draft_seconds = 0, 0.0
+    drafted, saved = 0, 0  # tokens drafted; positions the draft declined (early exit, no lookup match)
     accepted_at = [0] * k  # blocks whose drafted token at position i was kept
     drafted_at = [0] * k  # blocks that drafted a token at position i
     stopped = False
@@ -84,6 +85,8 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
             sync()
             draft_seconds += time.perf_counter() - t0
         n_draft = len(tokens)
+        drafted += n_draft
+        saved += budget - n_draft
         x = torch.cat([torch.tensor([seq[-1]]), tokens.cpu()]).to(device)[None]  # (1, n_draft+1)
         result = step_fn(x, torch.arange(len(seq) - 1, len(seq) + n_draft, device=device), hidden_layers=layers)
         logits, hidden = result if layers else (result, None)
@@ -121,6 +124,8 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
         "tokens_per_s": len(new) / max(seconds - t_prefill, 1e-9),
         "target_forwards": forwards,
         "draft_forwards": getattr(draft, "forwards", 0),
+        "drafted_tokens": drafted,
+        "early_exit_saved": saved,
         "tau": len(new) / max(forwards, 1),
         # fraction of blocks that drafted position i in which the token at i was kept
         "accepted_per_position": [a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
@@ -159,6 +164,7 @@ def read_prompts(path) -> list:
 
 
 EARLY_EXIT_DEFAULTS = {"eagle3": 0.5, "dflash": 0.6}  # the VAT paper's thresholds
+DEFAULT_DRAFTS = {M.DEFAULT_TARGET: Path(__file__).resolve().parent / "drafts" / "smollm2-135m-eagle3-vat"}
 
 
 def build_draft(spec: str, target, tokenizer, args, device, dtype, generator):
@@ -201,7 +207,9 @@ def get_args(argv=None):
     ap.add_argument("--target", default=M.DEFAULT_TARGET,
                     help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
     ap.add_argument("--draft", default=None,
-                    help="'lookup' (prompt lookup) or a model name/directory sharing the target's tokenizer")
+                    help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, or a "
+                         "model name/directory sharing the target's tokenizer (default: the committed VAT "
+                         "draft for smollm2-135m, none for other targets)")
     ap.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
                     help="'none' is plain autoregressive decoding; default: greedy at T=0, else lossless")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="tokens drafted per step")
@@ -240,6 +248,11 @@ def get_args(argv=None):
         ap.error("--max-new-tokens must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         ap.error("need --temperature >= 0 and 0 < --top-p <= 1")
+    if isinstance(args.early_exit, float) and not 0 <= args.early_exit <= 1:
+        ap.error(f"--early-exit must lie in [0, 1], got {args.early_exit}")
+    committed = DEFAULT_DRAFTS.get(args.target)
+    if args.draft is None and args.verifier != "none" and committed is not None and committed.is_dir():
+        args.draft = str(committed)  # the VAT-trained draft that ships with the repository
     if args.verifier is None:
         args.verifier = "none" if args.draft is None else ("greedy" if args.temperature == 0 else "lossless")
     if args.verifier != "none" and args.draft is None:

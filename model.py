@@ -232,10 +232,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos.to(p.device, p.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(p.device, p.dtype), persistent=False)
 
-    def forward(self, tokens, input_pos, hidden_layers=(), last_logits_only=False):
+    def forward(self, tokens, input_pos, hidden_layers=(), last_logits_only=False, key_valid=None):
         """tokens (B, T) at absolute positions input_pos (T,), contiguous and increasing.
         Returns logits (B, T, vocab) (or (B, 1, vocab) with last_logits_only) and, when
-        hidden_layers names indices (convention in the module docstring), a list of (B, T, dim)."""
+        hidden_layers names indices (convention in the module docstring), a list of (B, T, dim).
+        key_valid (B, max_seq_len) bool hides cache slots per sequence (left padding in a batch)."""
         assert self.max_seq_len, "call setup_caches() first"
         T = tokens.shape[1]
         kv_len = self.max_seq_len if self.attend_full_cache else int(input_pos[-1]) + 1
@@ -244,6 +245,11 @@ class Transformer(nn.Module):
         # One new token at the end of the visible cache sees all of it, so it needs no mask.
         mask = None if T == 1 and not self.attend_full_cache else \
             torch.arange(kv_len, device=tokens.device) <= input_pos[:, None]  # (T, kv_len)
+        if key_valid is not None:
+            slots = torch.arange(kv_len, device=tokens.device)
+            # a padding query sees itself, so no row is empty (an empty row would spread NaNs)
+            visible = key_valid[:, None, None, :kv_len] | (slots == input_pos[:, None])
+            mask = (slots <= input_pos[:, None]) & visible  # (B, 1, T, kv_len)
         x = self.embed_tokens(tokens)  # (B, T, dim)
         hidden = {}
         for i, layer in enumerate(self.layers):
@@ -271,6 +277,12 @@ class PackedLinear(nn.Module):
     def forward(self, x):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """The (out, in) weight of an nn.Linear or a PackedLinear, as an ordinary tensor."""
+    w = linear.weight
+    return w.to_dense() if w.layout == torch._mkldnn else w
 
 
 def pack_for_cpu(model: nn.Module, batch_hint: int = 8) -> nn.Module:

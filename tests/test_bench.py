@@ -1,0 +1,64 @@
+"""bench.py: the quick run is internally consistent; the quality graders grade correctly."""
+import gzip
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_is_consistent(tmp_path):
+    out = tmp_path / "quick.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--quick", "--drafts", "lookup", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    headline = json.loads(r.stdout.strip().splitlines()[-1])
+    result = json.loads(out.read_text())
+    assert headline["results"] == str(out)
+    speed, runs = result["speed"], result["runs"]
+    assert set(speed) == {"baseline T=0", "lookup greedy T=0", "lookup lossless T=0", "baseline T=1", "lookup lossless T=1"}
+    for name, s in speed.items():
+        rs = runs[name]
+        assert len(rs) == 2  # one writing and one translation prompt
+        assert s["tau"] == pytest.approx(sum(r["new_tokens"] for r in rs) / sum(r["target_forwards"] for r in rs))
+        base = runs[f"baseline T={s['temperature']:g}"]
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base)]
+        assert s["speedup_median"] == pytest.approx(statistics.median(ratios))
+        for r in rs:
+            assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / (r["seconds"] - r["prefill_seconds"]))
+    assert speed["baseline T=0"]["tau"] == 1.0
+    # greedy speculative decoding changes nothing but speed: the same tokens as the baseline
+    assert [r["new_tokens"] for r in runs["lookup greedy T=0"]] == [r["new_tokens"] for r in runs["baseline T=0"]]
+    assert all(Path(p).is_file() for p in result["plots"])
+    assert result["config"]["git_commit"] is not None and result["config"]["torch"]
+
+
+def test_gsm8k_grader():
+    assert bench.gsm8k_correct("So she pays 3 * 6 = 18 dollars. The answer is 18.", "18")
+    assert bench.gsm8k_correct("Total: 1,234 apples", "1234")
+    assert not bench.gsm8k_correct("The answer is 17.", "18")
+    assert not bench.gsm8k_correct("no numbers here", "18")
+
+
+def test_humaneval_grader_runs_tests_in_a_subprocess():
+    with gzip.open(bench.DATA / "HumanEval.jsonl.gz", "rt") as f:
+        row = json.loads(f.readline())
+    problem = bench.humaneval_problems(1)[0]
+    assert problem["entry_point"] == row["entry_point"]
+    assert bench.humaneval_passes(problem, f"```python\n{row['canonical_solution']}```")  # a body only
+    whole = row["prompt"] + row["canonical_solution"]
+    assert bench.humaneval_passes(problem, f"Here it is:\n```python\n{whole}\n```")
+    assert not bench.humaneval_passes(problem, "```python\n    return None\n```")
+    assert not bench.humaneval_passes(problem, "```python\n    while True: pass\n```", timeout=2)
+
+
+def test_wilson_interval():
+    lo, hi = bench.wilson(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
+    assert bench.wilson(0, 10)[0] == 0.0 and bench.wilson(10, 10)[1] == 1.0

@@ -1,0 +1,287 @@
+"""EAGLE-3 and DFlash drafts: masks, training forward = inference, VAT pieces, checkpoints, decoding."""
+import argparse
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model as M
+import train_vat as TV
+from decode import generate
+from draft import (DFlash, DFlashDrafter, Eagle3, Eagle3Drafter, dflash_mask, dflash_target_layers,
+                   eagle3_target_layers, load_draft, save_draft, ttt_mask)
+from verify import Verifier
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    m = M.load_model(tiny_dir("qwen3_untied"))
+    m.setup_caches(1, 128)
+    return m
+
+
+def eagle3_net(target, draft_vocab=60, seed=0):
+    torch.manual_seed(seed)
+    t = target.args
+    args = M.ModelArgs(model_type="llama", vocab_size=t.vocab_size, dim=t.dim, n_layer=1, n_head=t.n_head,
+                       n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size)
+    net = Eagle3(args, t.dim, draft_vocab)
+    ids = torch.randperm(t.vocab_size)[:draft_vocab].sort().values
+    net.d2t.copy_(ids - torch.arange(draft_vocab))
+    net.t2d.zero_()
+    net.t2d[ids] = True
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # non-trivial norms and biases
+    return net.eval()
+
+
+def dflash_net(target, block=6, seed=0):
+    torch.manual_seed(seed)
+    t = target.args
+    args = M.ModelArgs(model_type="qwen3", vocab_size=t.vocab_size, dim=t.dim, n_layer=2, n_head=t.n_head,
+                       n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size, qk_norm=True)
+    net = DFlash(args, t.dim, dflash_target_layers(t.n_layer, 2), block, mask_token_id=t.vocab_size - 1)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return net.eval()
+
+
+def features(target, tokens, layers):
+    with torch.no_grad():
+        _, hidden = target(tokens, torch.arange(tokens.shape[1]), hidden_layers=layers)
+    return torch.cat(hidden, -1)
+
+
+def test_ttt_mask_sees_prefix_and_own_chain():
+    T, s = 5, 2
+    m = ttt_mask(T, s)
+    assert m.shape == (T, 3 * T)
+    for t in range(T):
+        assert m[t, :T].tolist() == [j <= t for j in range(T)]  # the real prefix up to t
+        for step in (1, 2):  # of each later step, only the same chain
+            assert m[t, step * T:(step + 1) * T].tolist() == [j == t for j in range(T)]
+
+
+def test_dflash_mask_context_before_anchor_and_own_block():
+    anchors, T, B = torch.tensor([3, 7]), 10, 4
+    m = dflash_mask(anchors, T, B)
+    assert m.shape == (8, T + 8)
+    for j, a in enumerate(anchors.tolist()):
+        for r in range(j * B, (j + 1) * B):
+            assert m[r, :T].tolist() == [p < a for p in range(T)]
+            assert m[r, T:].tolist() == [j * B <= c < (j + 1) * B for c in range(8)]
+
+
+def test_eagle3_index_convention():
+    assert eagle3_target_layers(32) == (2, 16, 29)
+    assert dflash_target_layers(36, 5) == [1, 9, 17, 25, 33]
+
+
+def test_eagle3_training_forward_equals_inference_chain(target):
+    net = eagle3_net(target)
+    layers = eagle3_target_layers(target.args.n_layer)
+    torch.manual_seed(1)
+    seq = torch.randint(0, 97, (14,)).tolist()
+    t, K = 6, 5  # draft from base position t: the prompt is seq[:t+2]
+    g = torch.Generator().manual_seed(0)
+    drafter = Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, 128, temperature=1.0, generator=g)
+    prompt = seq[:t + 2]
+    drafter.start(prompt, features(target, torch.tensor([prompt[:-1]]), layers)[0])
+    tokens, q = drafter.propose(K)
+    full = torch.tensor([prompt + tokens.tolist()])
+    with torch.no_grad():
+        logits, _ = TV.eagle3_ttt(net, target.embed_tokens, full, features(target, full, layers), K)
+    train_q = net.to_target_probs(F.softmax(logits[0, :, t], -1))  # (K, V)
+    assert torch.allclose(train_q, q, atol=1e-5)
+
+
+def test_dflash_training_forward_equals_inference(target):
+    net = dflash_net(target)
+    layers = tuple(i + 1 for i in net.target_layer_ids)
+    torch.manual_seed(2)
+    seq = torch.randint(0, 96, (20,)).tolist()
+    a = 9  # the anchor: context is positions 0..8
+    drafter = DFlashDrafter(net, target.embed_tokens, target.lm_head, 128, temperature=1.0,
+                            generator=torch.Generator().manual_seed(0))
+    drafter.start(seq[:a + 1], features(target, torch.tensor([seq[:a]]), layers)[0])
+    _, q = drafter.propose(net.block_size - 1)
+    full = torch.tensor([seq])
+    with torch.no_grad():
+        logits, _ = TV.dflash_blocks(net, target.embed_tokens, target.lm_head, full, features(target, full, layers),
+                                     torch.tensor([[a, 2]]))  # a second block must not disturb the first
+    assert torch.allclose(F.softmax(logits[0, 0], -1), q, atol=1e-5)
+
+
+def test_vat_targets_on_hand_made_rows():
+    accepted = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    kstar, labels, w = TV.vat_targets(accepted, TV.eagle3_decay)
+    assert kstar.tolist() == [3, 5, 1]
+    assert labels.tolist() == [[True, True, False, False], [True] * 4, [False] * 4]
+    assert torch.allclose(w, torch.tensor([[1, 1, 1, 0.8], [1, 1, 1, 1], [1, 0.8, 0.64, 0.512]]))
+    _, _, wd = TV.vat_targets(accepted, TV.dflash_decay)
+    assert torch.allclose(wd[2], torch.exp(-torch.arange(4.0) / 7))
+
+
+def test_baseline_objective_is_the_plain_loss():
+    torch.manual_seed(3)
+    N, K, V = 6, 4, 11
+    draft, tgt = torch.randn(N, K, V), F.log_softmax(torch.randn(N, K, V), -1)
+    valid = torch.rand(N, K) > 0.2
+    args = argparse.Namespace(draft="eagle3", objective="baseline", vat_label="greedy", beta=1.0)
+    loss, _ = TV.objective(draft, torch.zeros(N, K), tgt, valid, args, native="soft")
+    soft = -(tgt.exp() * F.log_softmax(draft, -1)).sum(-1) * valid
+    assert torch.allclose(loss, (0.8 ** torch.arange(K) * soft).sum() / N)
+    args.draft = "dflash"
+    loss, _ = TV.objective(draft, torch.zeros(N, K), tgt, valid, args, native="hard")
+    hard = F.cross_entropy(draft.flatten(0, 1), tgt.argmax(-1).flatten(), reduction="none").view(N, K) * valid
+    assert torch.allclose(loss, (torch.exp(-torch.arange(K) / 7) * hard).sum() / N)
+
+
+def test_vat_objective_on_hand_made_logits():
+    # K = 3 positions, V = 2; the draft agrees with the target at k = 1 and 3, not at 2: k* = 2
+    tgt = F.log_softmax(torch.tensor([[[2.0, 0], [2.0, 0], [2.0, 0]]]), -1)
+    draft = torch.tensor([[[1.0, 0], [0, 1.0], [1.0, 0]]])
+    head = torch.tensor([[3.0, -3.0, 0.0]])
+    args = argparse.Namespace(draft="eagle3", objective="vat", vat_label="greedy", beta=1.0)
+    loss, stats = TV.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), args, native="soft")
+    ce = -(tgt.exp() * F.log_softmax(draft, -1)).sum(-1) - F.log_softmax(draft, -1)[..., 0]
+    weights = torch.tensor([1.0, 1.0, 0.8])  # 1 before k*, then the decay restarts at k*
+    bce = F.binary_cross_entropy_with_logits(head, torch.tensor([[1.0, 0, 0]]))
+    assert torch.allclose(loss, (weights * ce).sum() + bce)
+    assert stats["sim_tau"] == 2.0
+
+
+def tiny_training(target, objective, steps, seed=0):
+    """Train an EAGLE-3 draft on the tiny target's own greedy continuations for a few steps."""
+    torch.manual_seed(seed)
+    prompts = [torch.randint(0, 97, (6,)).tolist() for _ in range(16)]
+    data = []
+    for p in prompts:
+        out = generate(target, p, max_new_tokens=26)["tokens"]
+        data.append((p + out, len(p)))
+    args = argparse.Namespace(draft="eagle3", objective=objective, vat_label="greedy", beta=1.0, ttt_steps=4,
+                              layers=eagle3_target_layers(target.args.n_layer))
+    net = eagle3_net(target, draft_vocab=97).train()
+    net.d2t.zero_()
+    net.t2d.fill_(True)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    stream = TV.batches(data, 16, 32, __import__("random").Random(0))
+    target.setup_caches(16, 40)
+    batch = next(stream)
+    _, before = TV.draft_batch_loss(net, target, batch, args, net.draft_to_target())
+    for _ in range(steps):
+        loss, _ = TV.draft_batch_loss(net, target, next(stream), args, net.draft_to_target())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    _, after = TV.draft_batch_loss(net, target, batch, args, net.draft_to_target())
+    target.setup_caches(1, 128)
+    return net.eval(), before, after, prompts
+
+
+def test_tiny_training_raises_simulated_tau_and_decodes_exactly(tiny_dir):
+    target = M.load_model(tiny_dir("qwen3_untied"))
+    target.setup_caches(1, 128)
+    net, before, after, prompts = tiny_training(target, "vat", steps=40)
+    assert after["sim_tau"] > before["sim_tau"] + 0.3, (before, after)
+    assert after["head_acc"] > 0.6
+    # greedy speculative decoding with the trained draft is plain greedy decoding, with tau > 1
+    prompt = prompts[0]
+    plain = generate(target, prompt, max_new_tokens=30)
+    drafter = Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, 128)
+    spec = generate(target, prompt, drafter, Verifier("greedy"), k=4, max_new_tokens=30)
+    assert spec["tokens"] == plain["tokens"] and spec["tau"] > 1.2
+    # early exit at a threshold no head reaches drafts nothing and still decodes exactly
+    never = Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, 128, early_exit=1.01)
+    out = generate(target, prompt, never, Verifier("greedy"), k=4, max_new_tokens=30)
+    assert out["tokens"] == plain["tokens"] and out["tau"] == 1.0
+    assert out["drafted_tokens"] == 0 and out["early_exit_saved"] == sum(min(4, 30 - i - 1) for i in range(30))
+
+
+def test_dflash_greedy_speculative_equals_plain(target):
+    net = dflash_net(target)
+    prompt = [7, 7, 2, 9, 4]
+    plain = generate(target, prompt, max_new_tokens=25)
+    drafter = DFlashDrafter(net, target.embed_tokens, target.lm_head, 128)
+    spec = generate(target, prompt, drafter, Verifier("greedy"), k=5, max_new_tokens=25)
+    assert spec["tokens"] == plain["tokens"]
+
+
+def released_eagle3(path, target, fmt):
+    """A checkpoint with exactly the names, shapes and config of the published EAGLE-3 drafts."""
+    net = eagle3_net(target)
+    sd = M.unfuse_to_hf({k: v for k, v in net.state_dict().items() if not k.startswith("verify_head")}, net.args)
+    sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "midlayer.mlp.gate_proj.weight",
+            "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(sd)
+    path.mkdir()
+    if fmt == "bin":
+        torch.save(sd, path / "pytorch_model.bin")
+    else:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
+    t = target.args
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": t.dim,
+        "intermediate_size": t.intermediate_size, "num_attention_heads": t.n_head, "num_key_value_heads": t.n_kv_head,
+        "head_dim": t.head_dim, "num_hidden_layers": 1, "rms_norm_eps": net.args.norm_eps, "vocab_size": t.vocab_size,
+        "draft_vocab_size": 60, "tie_word_embeddings": False, "rope_theta": 10000.0}))
+    return net
+
+
+@pytest.mark.parametrize("fmt", ["bin", "safetensors"])
+def test_eagle3_release_layout_round_trips(target, tmp_path, fmt):
+    original = released_eagle3(tmp_path / "released", target, fmt)
+    kind, loaded = load_draft(tmp_path / "released", target)
+    assert kind == "eagle3"
+    save_draft(loaded, tmp_path / "ours", target.args, dtype=torch.float32)
+    _, again = load_draft(tmp_path / "ours", target)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as f:
+        assert "midlayer.self_attn.k_proj.weight" in f.keys() and "verify_head.weight" in f.keys()
+    layers = eagle3_target_layers(target.args.n_layer)
+    prompt = [5, 6, 7, 8, 9, 10]
+    feats = features(target, torch.tensor([prompt[:-1]]), layers)[0]
+    outs = []
+    for net in (original, loaded, again):
+        d = Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, 128, temperature=1.0,
+                          generator=torch.Generator().manual_seed(0))
+        d.start(prompt, feats)
+        outs.append(d.propose(4))
+    for tokens, q in outs[1:]:
+        assert torch.equal(tokens, outs[0][0]) and torch.allclose(q, outs[0][1], atol=1e-6)
+
+
+def test_dflash_release_layout_round_trips(target, tmp_path):
+    net = dflash_net(target)
+    path = tmp_path / "dflash"
+    save_draft(net, path, target.args, dtype=torch.float32)
+    config = json.loads((path / "config.json").read_text())
+    assert config["block_size"] == 6 and config["dflash_config"]["target_layer_ids"] == net.target_layer_ids
+    from safetensors import safe_open
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
+                "layers.0.mlp.down_proj.weight"} <= set(f.keys())
+    kind, loaded = load_draft(path, target)
+    assert kind == "dflash"
+    prompt = [4, 4, 8, 15, 16, 23, 42]
+    layers = tuple(i + 1 for i in net.target_layer_ids)
+    feats = features(target, torch.tensor([prompt[:-1]]), layers)[0]
+    outs = []
+    for n in (net, loaded):
+        d = DFlashDrafter(n, target.embed_tokens, target.lm_head, 128)
+        d.start(prompt, feats)
+        outs.append(d.propose(5))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
+
+
+def test_draft_checkpoint_errors(target, tmp_path):
+    released_eagle3(tmp_path / "bad", target, "safetensors")
+    cfg = json.loads((tmp_path / "bad" / "config.json").read_text())
+    cfg["draft_vocab_size"] = 61
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(M.CheckpointError, match=r"draft tensor \S+ in .* has shape \(60"):
+        load_draft(tmp_path / "bad", target)

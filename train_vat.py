@@ -1,0 +1,572 @@
+"""
+Verification-Aware Training (VAT) of EAGLE-3 and DFlash drafts, and their plain objectives.
+
+    python train_vat.py                                        # EAGLE-3 + VAT for the default target, CPU
+    python train_vat.py --target qwen3-4b --draft dflash       # on a GPU machine that has the weights
+    python train_vat.py --objective baseline                   # the plain EAGLE-3 / DFlash loss, same budget
+
+1. Data. Prompts from jsonl files (Spec-Bench/MT-bench `turns`, ShareGPT `conversations`, Alpaca
+   `instruction`, GSM8K `question`) or written by the target itself from the bare chat-template
+   prefix (Magpie). The target regenerates every response (greedy by default), so the draft learns
+   the target's own distribution; responses are cached on disk and reused by later runs.
+2. Target features are computed on the fly, batch by batch (caching them costs hundreds of GB for
+   an 8B target).
+3. EAGLE-3 unrolls K = 7 draft steps (training-time test): step s attends to the real prefix and
+   to its own earlier steps; loss weights 0.8^(k-1); soft cross-entropy against the target on the
+   draft vocabulary. DFlash fills blocks of 16 at random anchors; hard cross-entropy with weights
+   exp(-(k-1)/7).
+4. VAT simulates verification at every step: m_k = 1 if the target keeps the drafted token at
+   position k; k* is the first k with m_k = 0 (K+1 if none). The verification head learns
+   v_k = 1[k < k*] (BCE), and the loss weights restart their decay at k*:
+   w_hat_k = 1 for k < k*, w_(k-k*+1) after. L = sum_k w_hat_k (soft CE + hard CE) + beta L_VH.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import model as M
+from decode import default_device, generate, prompt_text
+from draft import (DFlash, DFlashDrafter, Eagle3, Eagle3Drafter, dflash_mask, dflash_target_layers,
+                   eagle3_target_layers, load_draft, save_draft, ttt_mask)
+
+ROOT = Path(__file__).resolve().parent
+SHARED = ROOT.parent / "shared" / "data"
+DEFAULT_DATA = [SHARED / "gsm8k_train.jsonl", SHARED / "alpaca_seed_tasks.jsonl"]
+
+
+# -----------------------------------------------------------------------------
+# VAT: simulated verification, first rejection, head labels, adaptive weights
+
+def eagle3_decay(j):
+    return 0.8 ** (j - 1)
+
+
+def dflash_decay(j):
+    return torch.exp(-(j - 1) / 7.0)
+
+
+def vat_targets(accepted: torch.Tensor, decay):
+    """accepted (N, K) bool: m_k for each chain. Returns k* (N,) in 1..K+1, head labels v (N, K)
+    and the adaptive weights w_hat (N, K): 1 before k*, the decay restarted at k* after it."""
+    N, K = accepted.shape
+    k = torch.arange(1, K + 1, device=accepted.device).expand(N, K)
+    kstar = accepted.long().cumprod(-1).sum(-1) + 1  # (N,)
+    labels = k < kstar[:, None]
+    w = torch.where(labels, torch.ones_like(k, dtype=torch.float), decay((k - kstar[:, None] + 1).float()))
+    return kstar, labels, w
+
+
+def plain_weights(N, K, decay, device=None):
+    return decay(torch.arange(1, K + 1, device=device).float()).expand(N, K)
+
+
+def step_losses(draft_logits, target_logits, valid, soft: bool, hard: bool):
+    """Per-position soft CE (against the target's distribution) and/or hard CE (against its
+    argmax), (...,) each; positions that are not valid contribute 0."""
+    logp = F.log_softmax(draft_logits.float(), -1)
+    loss = torch.zeros(draft_logits.shape[:-1], device=draft_logits.device)
+    if soft:
+        loss = loss - (F.softmax(target_logits.float(), -1) * logp).sum(-1)
+    if hard:
+        loss = loss - logp.gather(-1, target_logits.argmax(-1, keepdim=True))[..., 0]
+    return loss * valid
+
+
+def simulate_acceptance(draft_logits, target_logp, label: str):
+    """m_k: does the target keep the draft's token? greedy: the argmaxes agree; sample: a token
+    drawn from q is kept with probability min(1, p/q). target_logp are the target's log-probs on
+    the draft's vocabulary (not renormalized there, so p(x) is the target's true probability)."""
+    if label == "greedy":
+        return draft_logits.argmax(-1) == target_logp.argmax(-1)
+    q, p = F.softmax(draft_logits.float(), -1), target_logp.float().exp()
+    x = torch.multinomial(q.reshape(-1, q.shape[-1]), 1).view(q.shape[:-1] + (1,))
+    ratio = (p.gather(-1, x) / q.gather(-1, x).clamp_min(1e-12))[..., 0]
+    return torch.rand_like(ratio) < ratio.clamp(max=1)
+
+
+def objective(draft_logits, head_logits, target_logp, valid, args, native: str, target_in_vocab=None):
+    """The loss of one batch of K-step chains. draft_logits and target_logp (N, K, V') on the same
+    vocabulary, head_logits (N, K), valid (N, K). native: 'soft' (EAGLE-3) or 'hard' (DFlash).
+    target_in_vocab (N, K): whether the target's argmax is in the draft vocabulary at all."""
+    decay = eagle3_decay if args.draft == "eagle3" else dflash_decay
+    N, K = valid.shape
+    valid = valid.bool()
+    with torch.no_grad():
+        accepted = simulate_acceptance(draft_logits, target_logp, args.vat_label)
+        if target_in_vocab is not None:  # the draft cannot propose what its vocabulary lacks
+            accepted &= target_in_vocab
+        kstar, labels, w_hat = vat_targets(accepted | ~valid, decay)  # past the sequence: no rejection
+    valid_f = valid.float()
+    ce_valid = valid_f if target_in_vocab is None else valid_f * target_in_vocab
+    if args.objective == "vat":
+        ce = step_losses(draft_logits, target_logp, ce_valid, soft=True, hard=True)
+        head = F.binary_cross_entropy_with_logits(head_logits.float(), labels.float(), reduction="none")
+        head_loss = (head * valid_f).sum() / valid_f.sum().clamp_min(1)
+        loss = (w_hat * ce).sum() / N + args.beta * head_loss
+    else:
+        ce = step_losses(draft_logits, target_logp, ce_valid, soft=native == "soft", hard=native == "hard")
+        loss = (plain_weights(N, K, decay, valid.device) * ce).sum() / N
+        head_loss = torch.zeros(())
+    chains = valid[:, 0].bool()  # chains that start inside the response
+    stats = {"loss": loss.item(), "head_loss": head_loss.item(),
+             "sim_tau": (kstar[chains].float().mean().item() if chains.any() else 1.0),  # k*-1 kept + bonus
+             "head_acc": (((head_logits > 0) == labels).float() * valid_f).sum().item() / valid_f.sum().clamp_min(1).item()}
+    return loss, stats
+
+
+# -----------------------------------------------------------------------------
+# The two drafts' training forwards
+
+def eagle3_ttt(net: Eagle3, embed, tokens, features, K: int):
+    """Training-time test: unroll K draft steps over every base position at once.
+    tokens (B, T), features (B, T, 3*dim_t) -> draft logits (B, K, T, Vd), head logits (B, K, T).
+    Step s at base t feeds (state, embedding of token t+1+s) at position t+s and predicts t+2+s."""
+    B, T = tokens.shape
+    layer = net.midlayer
+    cos, sin = M.rope_table(net.args, T + K)
+    cos, sin = cos.to(features.device, features.dtype), sin.to(features.device, features.dtype)
+    padded = torch.cat([tokens, tokens.new_zeros(B, K + 1)], 1)
+    hidden = net.fc(features)  # (B, T, dim)
+    keys, values, logits, heads = [], [], [], []
+    for s in range(K):
+        embeds = embed(padded[:, 1 + s:1 + s + T])
+        q, k, v = layer.qkv(embeds, hidden, cos[s:s + T], sin[s:s + T])
+        keys.append(k)
+        values.append(v)
+        mask = ttt_mask(T, s, tokens.device)
+        hidden = layer.finish(hidden, layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask))
+        lg, hd = net.heads(hidden)
+        logits.append(lg)
+        heads.append(hd)
+    return torch.stack(logits, 1), torch.stack(heads, 1)
+
+
+def dflash_blocks(net: DFlash, embed, lm_head, tokens, features, anchors):
+    """tokens (B, T), features (B, T, n*dim_t), anchors (B, nb) -> logits (B, nb, bs-1, V) and
+    head logits (B, nb, bs-1): block j position i predicts the token at anchors[j] + i."""
+    B, T = tokens.shape
+    bs, nb = net.block_size, anchors.shape[1]
+    offsets = torch.arange(bs, device=tokens.device)
+    block_pos = (anchors[..., None] + offsets).view(B, nb * bs)  # (B, nb*bs)
+    block_tokens = torch.full((B, nb, bs), net.mask_token_id, dtype=torch.long, device=tokens.device)
+    block_tokens[:, :, 0] = tokens.gather(1, anchors)
+    h = embed(block_tokens.view(B, nb * bs))
+    ctx = net.context(features)
+    cos_t, sin_t = M.rope_table(net.args, T + bs)
+    positions = torch.cat([torch.arange(T, device=tokens.device).expand(B, T), block_pos], 1)
+    cos = cos_t.to(h.device, h.dtype)[positions][:, None]  # (B, 1, T + nb*bs, head_dim)
+    sin = sin_t.to(h.device, h.dtype)[positions][:, None]
+    mask = torch.stack([dflash_mask(a, T, bs) for a in anchors])[:, None]  # (B, 1, nb*bs, T + nb*bs)
+    for layer in net.layers:
+        h, _ = layer(h, ctx, cos, sin, mask)
+    x = net.norm(h.view(B, nb, bs, -1)[:, :, 1:])
+    return lm_head(x), net.verify_head(x)[..., 0]
+
+
+def draft_batch_loss(net, target, batch, args, draft_ids=None):
+    """One training batch: target features and logits (no grad), the draft's forward, the loss."""
+    tokens, loss_mask = batch  # (B, T), (B, T): 1 where a token is response (to be predicted)
+    B, T = tokens.shape
+    with torch.no_grad():
+        target_logits, hidden = target(tokens, torch.arange(T, device=tokens.device), hidden_layers=args.layers)
+        features = torch.cat(hidden, -1)
+    if args.draft == "eagle3":
+        K = args.ttt_steps
+        logits, heads = eagle3_ttt(net, target.embed_tokens, tokens, features, K)  # (B, K, T, Vd), (B, K, T)
+        # step s at base t predicts the token at t+2+s; the target's distribution for it sits at t+1+s
+        src = torch.arange(T, device=tokens.device)[None, :] + 1 + torch.arange(K, device=tokens.device)[:, None]
+        predicted = src + 1  # (K, T)
+        valid = (predicted < T)[None] & loss_mask[:, predicted.clamp(max=T - 1)].bool()  # (B, K, T)
+        src = src.clamp(max=T - 1)
+        in_vocab = net.t2d[target_logits.argmax(-1)][:, src]  # (B, K, T)
+        tl = F.log_softmax(target_logits.float(), -1)[..., draft_ids][:, src]  # (B, K, T, Vd)
+        chains = lambda x: x.transpose(1, 2).flatten(0, 1)  # noqa: E731  (B, K, T, ...) -> (B*T, K, ...)
+        return objective(chains(logits), chains(heads), chains(tl), chains(valid), args, native="soft",
+                         target_in_vocab=chains(in_vocab))
+    bs = net.block_size
+    anchors = sample_anchors(loss_mask, args.blocks_per_seq, bs)  # (B, nb)
+    logits, heads = dflash_blocks(net, target.embed_tokens, target.lm_head, tokens, features, anchors)
+    pos = anchors[..., None] + torch.arange(1, bs, device=tokens.device)  # (B, nb, bs-1) predicted positions
+    inside = pos < T
+    pos_c = pos.clamp(max=T - 1)
+    tl = target_logits.gather(1, (pos_c - 1).view(B, -1, 1).expand(-1, -1, target_logits.shape[-1])).view(
+        *pos.shape, -1)  # the target's distribution for the token at pos
+    tl = F.log_softmax(tl.float(), -1)
+    valid = inside & loss_mask.gather(1, pos_c.view(B, -1)).view(pos.shape).bool()
+    nb = anchors.shape[1]
+    return objective(logits.reshape(B * nb, bs - 1, -1), heads.reshape(B * nb, bs - 1), tl.reshape(B * nb, bs - 1, -1),
+                     valid.reshape(B * nb, bs - 1), args, native="hard")
+
+
+def sample_anchors(loss_mask, n: int, block_size: int):
+    """n random anchors per sequence, each the position just before a response token."""
+    B, T = loss_mask.shape
+    out = torch.zeros(B, n, dtype=torch.long, device=loss_mask.device)
+    for b in range(B):
+        starts = (loss_mask[b, 1:].nonzero()[:, 0])  # anchor a predicts a+1.. : a+1 must be response
+        if len(starts) == 0:
+            continue
+        out[b] = starts[torch.randint(len(starts), (n,))]
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Data: prompts, responses regenerated by the target, cached on disk
+
+def read_prompt_files(paths, limit=None) -> list:
+    prompts = []
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"prompt file not found: {path}")
+        if "spec_bench" in path.name:
+            raise ValueError(f"{path.name} is for evaluation only; train on other prompts")
+        for line in path.read_text().splitlines():
+            if line.strip():
+                prompts.append(prompt_text(json.loads(line)))
+    random.Random(0).shuffle(prompts)
+    return prompts[:limit] if limit else prompts
+
+
+@torch.no_grad()
+def batch_generate(target, prompts_ids: list, max_new_tokens: int, stop_ids, temperature=0.0, generator=None):
+    """Left-padded batched sampling (greedy by default): one weight read serves the whole batch."""
+    B, P = len(prompts_ids), max(len(p) for p in prompts_ids)
+    device = target.embed_tokens.weight.device
+    tokens = torch.zeros(B, P, dtype=torch.long, device=device)
+    key_valid = torch.zeros(B, target.max_seq_len, dtype=torch.bool, device=device)
+    for b, ids in enumerate(prompts_ids):
+        tokens[b, P - len(ids):] = torch.tensor(ids)
+        key_valid[b, P - len(ids):] = True
+    key_valid[:, P:] = True
+    logits = target(tokens, torch.arange(P, device=device), key_valid=key_valid, last_logits_only=True)
+    out = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    stop = torch.tensor(sorted(stop_ids), device=device)
+    for i in range(max_new_tokens):
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits[:, -1].float() / temperature, -1), 1, generator=generator)[:, 0]
+        else:
+            nxt = logits[:, -1].argmax(-1)
+        for b in (~done).nonzero()[:, 0].tolist():
+            out[b].append(int(nxt[b]))
+        done |= torch.isin(nxt, stop)
+        if done.all() or P + i + 1 >= target.max_seq_len:
+            break
+        logits = target(nxt[:, None], torch.tensor([P + i], device=device), key_valid=key_valid)
+    return out
+
+
+def magpie_prompts(target, tokenizer, n: int, batch: int, max_tokens: int = 96) -> list:
+    """Prompts the target writes itself: sample from the bare chat-template prefix of a user turn."""
+    prefix = tokenizer.encode_chat([{"role": "user", "content": "\x00"}])
+    cut = tokenizer.encode_chat([{"role": "user", "content": "\x00"}])
+    # the prefix ends where the user's text would begin: drop the placeholder and everything after it
+    marker = tokenizer.encode("\x00")
+    for i in range(len(cut) - len(marker) + 1):
+        if cut[i:i + len(marker)] == marker:
+            prefix = cut[:i]
+            break
+    g = torch.Generator(device=target.embed_tokens.weight.device).manual_seed(1)
+    prompts = []
+    for _ in tqdm(range(0, n, batch), desc="self-generated prompts", file=sys.stderr):
+        for ids in batch_generate(target, [prefix] * batch, max_tokens, tokenizer.stop_ids, 1.0, g):
+            text = tokenizer.decode([t for t in ids if t not in tokenizer.stop_ids]).strip()
+            if len(text) > 10:
+                prompts.append(text)
+    return prompts[:n]
+
+
+def build_dataset(target, tokenizer, args) -> list:
+    """[(ids, response_start)], cached by target, prompts and generation settings."""
+    files = [p for p in args.data.split(",") if p and p != "self"]
+    n_self = args.self_prompts if "self" in args.data.split(",") else 0
+    key_src = ",".join(str(Path(p).resolve()) for p in files)
+    key = hashlib.sha1(f"{args.target}|{key_src}|{args.num_prompts}|{n_self}|{args.response_tokens}|"
+                       f"{args.max_prompt_tokens}".encode()).hexdigest()[:12]
+    cache = Path(args.cache_dir) / f"responses-{key}.pt"
+    if cache.is_file():
+        print(f"reusing cached responses {cache}", file=sys.stderr)
+        return torch.load(cache)
+    prompts = read_prompt_files(files, args.num_prompts) if files else []
+    if n_self:
+        prompts += magpie_prompts(target, tokenizer, n_self, args.gen_batch)
+    random.Random(1).shuffle(prompts)
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])[-args.max_prompt_tokens:] for p in prompts]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
+    data = []
+    for start in tqdm(range(0, len(order), args.gen_batch), desc="target responses", file=sys.stderr):
+        idx = order[start:start + args.gen_batch]
+        for i, response in zip(idx, batch_generate(target, [encoded[i] for i in idx], args.response_tokens,
+                                                   tokenizer.stop_ids)):
+            data.append((encoded[i] + response, len(encoded[i])))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    torch.save(data, tmp)
+    tmp.replace(cache)
+    return data
+
+
+def draft_vocabulary(data, vocab_size: int, size: int):
+    """The `size` most frequent response tokens: d2t offsets and the t2d mask, EAGLE-3's format."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, start in data:
+        counts += torch.bincount(torch.tensor(ids[start:]), minlength=vocab_size)
+    top = counts.argsort(descending=True)[:size].sort().values  # ascending target ids
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[top] = True
+    return top - torch.arange(size), t2d
+
+
+def batches(data, batch_size: int, seq_len: int, rng: random.Random):
+    """Endless random batches (tokens (B, T), response mask (B, T)), right-padded to the longest."""
+    while True:
+        picks = [data[rng.randrange(len(data))] for _ in range(batch_size)]
+        T = min(seq_len, max(len(ids) for ids, _ in picks))
+        tokens = torch.zeros(batch_size, T, dtype=torch.long)
+        mask = torch.zeros(batch_size, T)
+        for b, (ids, start) in enumerate(picks):
+            ids = ids[:T]
+            tokens[b, :len(ids)] = torch.tensor(ids)
+            mask[b, start:len(ids)] = 1
+        yield tokens, mask
+
+
+# -----------------------------------------------------------------------------
+# Evaluation: real tau through decode.py's loop
+
+@torch.no_grad()
+def evaluate_tau(net, target, tokenizer, prompts, args, max_new_tokens=64) -> float:
+    net.eval()
+    if args.draft == "eagle3":
+        drafter = Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, target.max_seq_len,
+                                target_layers=args.layers)
+    else:
+        drafter = DFlashDrafter(net, target.embed_tokens, target.lm_head, target.max_seq_len)
+    from verify import Verifier
+    new = forwards = 0
+    for text in prompts:
+        ids = tokenizer.encode_chat([{"role": "user", "content": text}])[-args.max_prompt_tokens:]
+        r = generate(target, ids, drafter, Verifier("greedy"), k=args.eval_k, max_new_tokens=max_new_tokens,
+                     stop_ids=tokenizer.stop_ids)
+        new, forwards = new + r["new_tokens"], forwards + r["target_forwards"]
+    net.train()
+    return new / max(forwards, 1)
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+def get_args(argv=None):
+    ap = argparse.ArgumentParser(description="Train an EAGLE-3 or DFlash draft with Verification-Aware Training.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--target", default=M.DEFAULT_TARGET, help=f"name ({', '.join(M.HF_REPOS)}) or directory")
+    ap.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"))
+    ap.add_argument("--objective", default="vat", choices=("vat", "baseline"),
+                    help="vat: verification head + adaptive weights; baseline: the plain EAGLE-3/DFlash loss")
+    ap.add_argument("--vat-label", default="greedy", choices=("greedy", "sample"),
+                    help="simulated verification: argmax match, or min(1, p/q) acceptance of a sampled token")
+    ap.add_argument("--beta", type=float, default=1.0, help="weight of the verification-head loss")
+    ap.add_argument("--data", default=",".join([str(p) for p in DEFAULT_DATA] + ["self"]),
+                    help="comma-separated prompt jsonl files; 'self' adds prompts the target writes (Magpie)")
+    ap.add_argument("--num-prompts", type=int, default=600, help="prompts taken from the files (0: all)")
+    ap.add_argument("--self-prompts", type=int, default=300, help="self-written prompts, with 'self' in --data")
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--response-tokens", type=int, default=160, help="tokens per regenerated response")
+    ap.add_argument("--gen-batch", type=int, default=48, help="prompts per batched target generation")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 reduced draft vocabulary")
+    ap.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 unrolled training-time-test steps K")
+    ap.add_argument("--block-size", type=int, default=16, help="DFlash block size")
+    ap.add_argument("--blocks-per-seq", type=int, default=4, help="DFlash random anchors per sequence")
+    ap.add_argument("--draft-layers", type=int, default=None, help="DFlash layers (default 5, 2 for small targets)")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--time-budget", type=float, default=None, help="stop training after this many minutes")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=384)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=250, help="steps between real-tau evaluations (0: never)")
+    ap.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for real tau")
+    ap.add_argument("--eval-k", type=int, default=7)
+    ap.add_argument("--save-every", type=int, default=100)
+    ap.add_argument("--out", default=None, help="output directory (default runs/<target>-<draft>-<objective>)")
+    ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    ap.add_argument("--cache-dir", default=str(M.cache_dir() / "train"), help="where regenerated responses are cached")
+    ap.add_argument("--prepare-only", action="store_true", help="build (and cache) the data, then stop")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=default_device())
+    args = ap.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "ttt_steps", "block_size", "draft_vocab", "gen_batch"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.block_size < 2 or args.lr <= 0 or args.beta < 0:
+        ap.error("need --block-size >= 2, --lr > 0 and --beta >= 0")
+    args.out = Path(args.out or ROOT / "runs" / f"{args.target.replace('/', '_')}-{args.draft}-{args.objective}")
+    return args
+
+
+def build_draft_net(args, target, data):
+    t = target.args
+    if args.draft == "eagle3":
+        dargs = M.ModelArgs(model_type="llama", vocab_size=t.vocab_size, dim=t.dim, n_layer=1, n_head=t.n_head,
+                            n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
+                            norm_eps=t.norm_eps, rope_theta=t.rope_theta, max_position_embeddings=t.max_position_embeddings)
+        size = min(args.draft_vocab, t.vocab_size)
+        net = Eagle3(dargs, t.dim, size)
+        d2t, t2d = draft_vocabulary(data, t.vocab_size, size)
+        net.d2t.copy_(d2t)
+        net.t2d.copy_(t2d)
+        with torch.no_grad():  # start the draft's head from the target's rows for its vocabulary
+            net.lm_head.weight.copy_(M.dense_weight(target.lm_head)[net.draft_to_target()].float())
+            net.norm.weight.copy_(target.norm.weight.float())
+        return net
+    n_layer = args.draft_layers or (5 if t.dim >= 2048 else 2)
+    dargs = M.ModelArgs(model_type="qwen3", vocab_size=t.vocab_size, dim=t.dim, n_layer=n_layer, n_head=t.n_head,
+                        n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
+                        norm_eps=t.norm_eps, rope_theta=t.rope_theta, max_position_embeddings=t.max_position_embeddings,
+                        qk_norm=True)
+    # the mask token: a special token the chat never uses (DFlash adds its own <|MASK|> where the
+    # embedding table has spare rows; SmolLM2's has none)
+    mask_id = t.vocab_size - 1
+    net = DFlash(dargs, t.dim, dflash_target_layers(t.n_layer, n_layer), args.block_size, mask_id)
+    with torch.no_grad():
+        net.norm.weight.copy_(target.norm.weight.float())
+    return net
+
+
+def main(argv=None):
+    args = get_args(argv)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    device = args.device
+    ddp = "RANK" in os.environ  # launched by torchrun
+    if ddp:
+        import torch.distributed as dist
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        rank = dist.get_rank()
+        if device.startswith("cuda"):
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(device)
+        rng = random.Random(args.seed + rank)
+    master = not ddp or rank == 0
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    target_dir = M.resolve_model(args.target)
+    target = M.load_model(target_dir, dtype=dtype, device=device)
+    target.setup_caches(args.gen_batch, args.max_prompt_tokens + args.response_tokens + 8)
+    M.pack_for_cpu(target)
+    tokenizer = M.load_tokenizer(target_dir)
+    args.layers = eagle3_target_layers(target.args.n_layer) if args.draft == "eagle3" else None
+
+    data = build_dataset(target, tokenizer, args)
+    if args.prepare_only:
+        print(json.dumps({"sequences": len(data), "tokens": sum(len(ids) for ids, _ in data)}))
+        return
+    held_out, data = data[:args.eval_prompts], data[args.eval_prompts:]
+    eval_texts = [tokenizer.decode(ids[:start]) for ids, start in held_out]
+    eval_texts = [t.split("user\n", 1)[-1].rsplit("<|", 1)[0] for t in eval_texts]  # the user's words
+
+    ckpt = args.out / "checkpoint"
+    state_file = args.out / "train_state.pt"
+    if args.resume and ckpt.is_dir():
+        _, net = load_draft(ckpt, target, dtype=torch.float32)
+        state = torch.load(state_file, weights_only=False)
+        print(f"resuming from step {state['step']}", file=sys.stderr)
+    else:
+        if args.resume:
+            print(f"no checkpoint in {args.out}: starting fresh", file=sys.stderr)
+        net, state = build_draft_net(args, target, data).to(device), None
+    net.train()
+    if args.draft == "dflash":
+        args.layers = tuple(i + 1 for i in net.target_layer_ids)
+    # the target has a fixed batch cache for generation; training forwards need one of batch_size
+    target.setup_caches(args.batch_size, args.seq_len + 8)
+    draft_ids = net.draft_to_target() if args.draft == "eagle3" else None
+    model = DraftLoss(net, target, args, draft_ids)
+    if ddp:  # gradients of the draft are averaged across processes; the target stays frozen
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step = 0
+    if state:
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        rng.setstate(state["rng"])
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+    stream = batches(data, args.batch_size, args.seq_len, rng)
+    log_file = args.out / "log.jsonl"
+    log = [json.loads(line) for line in log_file.read_text().splitlines()][:step] if state and log_file.is_file() else []
+    t0 = time.time()
+    bar = tqdm(total=args.steps, initial=step, desc=f"{args.draft} {args.objective}", file=sys.stderr,
+               disable=not master)
+    while step < args.steps:
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tokens, mask = next(stream)
+        with autocast:
+            loss, stats = model(tokens.to(device), mask.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        step += 1
+        stats.update(step=step, lr=lr, seconds=time.time() - t0)
+        log.append(stats)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", head_acc=f"{stats['head_acc']:.2f}", sim_tau=f"{stats['sim_tau']:.2f}")
+        out_of_time = args.time_budget and (time.time() - t0) / 60 > args.time_budget
+        if master and args.eval_every and (step % args.eval_every == 0 or step == args.steps or out_of_time):
+            target.setup_caches(1, args.max_prompt_tokens + 128)
+            stats["real_tau"] = evaluate_tau(net, target, tokenizer, eval_texts, args)
+            target.setup_caches(args.batch_size, args.seq_len + 8)
+            tqdm.write(f"step {step}: real tau {stats['real_tau']:.2f} on {len(eval_texts)} held-out prompts",
+                       file=sys.stderr)
+        if master and (step % args.save_every == 0 or step == args.steps or out_of_time):
+            save_checkpoint(net, target, args, step, opt, rng, log)
+        if out_of_time:
+            tqdm.write(f"time budget of {args.time_budget} min reached at step {step}", file=sys.stderr)
+            break
+    bar.close()
+    if master:
+        print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step, "minutes": (time.time() - t0) / 60,
+                          "final": log[-1] if log else None}))
+
+
+class DraftLoss(torch.nn.Module):
+    """The draft and its training loss as one module, so DDP sees the forward it must sync.
+    The target is held outside the module's parameters: frozen, and never all-reduced."""
+
+    def __init__(self, net, target, args, draft_ids):
+        super().__init__()
+        self.net, self.frozen, self.args, self.draft_ids = net, [target], args, draft_ids
+
+    def forward(self, tokens, mask):
+        return draft_batch_loss(self.net, self.frozen[0], (tokens, mask), self.args, self.draft_ids)
+
+
+def save_checkpoint(net, target, args, step, opt, rng, log):
+    """The draft in the released layout, then the optimizer state; each written atomically."""
+    save_draft(net, args.out / "checkpoint", target.args, dtype=torch.float32,
+               extra_config={"vat": {"objective": args.objective, "step": step, "target": args.target}})
+    tmp = args.out / "train_state.pt.tmp"
+    torch.save({"step": step, "optimizer": opt.state_dict(), "rng": rng.getstate()}, tmp)
+    tmp.replace(args.out / "train_state.pt")
+    (args.out / "log.jsonl").write_text("".join(json.dumps(s) + "\n" for s in log))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (M.CheckpointError, ValueError) as e:
+        sys.exit(f"error: {e}")
