@@ -58,7 +58,8 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
     k = k if draft is not None else 0
     layers = getattr(draft, "target_layers", ())  # EAGLE-3 / DFlash read the target's hidden states
     t_start = time.perf_counter()
-    features = torch.zeros(0, 0, device=device)
+    draft_forwards_before = getattr(draft, "forwards", 0)
+    features = torch.zeros(0, len(layers) * target.args.dim, device=device)
     if L > 1:  # everything but the last prompt token; each step starts by feeding that one
         result = target(torch.tensor([prompt_ids[:-1]], device=device), torch.arange(L - 1, device=device),
                         hidden_layers=layers, last_logits_only=True)
@@ -123,7 +124,7 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
         "draft_seconds": draft_seconds,
         "tokens_per_s": len(new) / max(seconds - t_prefill, 1e-9),
         "target_forwards": forwards,
-        "draft_forwards": getattr(draft, "forwards", 0),
+        "draft_forwards": getattr(draft, "forwards", 0) - draft_forwards_before,
         "drafted_tokens": drafted,
         "early_exit_saved": saved,
         "tau": len(new) / max(forwards, 1),

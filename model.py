@@ -399,7 +399,7 @@ def load_model(model_dir, dtype=torch.float32, device="cpu") -> Transformer:
     model.load_state_dict(sd, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.eval()
+    return model.eval().requires_grad_(False)  # targets are only ever run; drafts train beside them
 
 
 # -----------------------------------------------------------------------------

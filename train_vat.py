@@ -196,7 +196,10 @@ def draft_batch_loss(net, target, batch, args, draft_ids=None):
                          target_in_vocab=chains(in_vocab))
     bs = net.block_size
     anchors = sample_anchors(loss_mask, args.blocks_per_seq, bs)  # (B, nb)
-    logits, heads = dflash_blocks(net, target.embed_tokens, target.lm_head, tokens, features, anchors)
+    # the target's lm_head as a plain matmul: a packed CPU weight has no autograd, and the draft's
+    # gradient must flow through it
+    lm_weight = M.dense_weight(target.lm_head)
+    logits, heads = dflash_blocks(net, target.embed_tokens, lambda x: F.linear(x, lm_weight), tokens, features, anchors)
     pos = anchors[..., None] + torch.arange(1, bs, device=tokens.device)  # (B, nb, bs-1) predicted positions
     inside = pos < T
     pos_c = pos.clamp(max=T - 1)

@@ -285,3 +285,67 @@ def test_draft_checkpoint_errors(target, tmp_path):
     (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(M.CheckpointError, match=r"draft tensor \S+ in .* has shape \(60"):
         load_draft(tmp_path / "bad", target)
+
+
+def tiny_chat_target(path):
+    """A tiny Qwen3 checkpoint with a real (small) byte-level BPE chat tokenizer beside it."""
+    from conftest import write_tiny_checkpoint
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+    write_tiny_checkpoint(path, "qwen3_untied", vocab=320, layers=4)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["user assistant system question answer numbers 12345"] * 50, trainer)
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_train_vat_end_to_end_and_resume(tmp_path, kind):
+    tiny_chat_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers"}) + "\n" for i in range(10)))
+    common = ["--target", str(tmp_path / "target"), "--draft", kind, "--data", str(prompts), "--num-prompts", "10",
+              "--response-tokens", "12", "--gen-batch", "4", "--batch-size", "2", "--seq-len", "32",
+              "--eval-prompts", "2", "--eval-every", "2", "--save-every", "2", "--block-size", "4",
+              "--ttt-steps", "3", "--draft-vocab", "200", "--out", str(tmp_path / "run"),
+              "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"]
+    TV.main(common + ["--steps", "2"])
+    cache = list((tmp_path / "cache").glob("responses-*.pt"))
+    assert len(cache) == 1
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in log] == [1, 2] and "real_tau" in log[-1]
+    TV.main(common + ["--steps", "4", "--resume"])  # continues at step 3, reusing the cached data
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in log] == [1, 2, 3, 4]
+    assert list((tmp_path / "cache").glob("responses-*.pt")) == cache
+    found, net = load_draft(tmp_path / "run" / "checkpoint", M.load_model(tmp_path / "target"))
+    assert found == kind and json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())["vat"]["step"] == 4
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, kind):
+    grads = []
+    for pack in (False, True):
+        target = M.load_model(tiny_dir("qwen3_untied"))
+        if pack:
+            M.pack_for_cpu(target)
+        target.setup_caches(2, 40)
+        net = (eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=4)).train()
+        args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", beta=1.0, ttt_steps=3,
+                                  blocks_per_seq=2, layers=eagle3_target_layers(target.args.n_layer) if kind == "eagle3"
+                                  else tuple(i + 1 for i in net.target_layer_ids))
+        torch.manual_seed(0)  # the same tokens and DFlash anchors both times
+        tokens = torch.randint(0, 96, (2, 24))
+        mask = torch.zeros(2, 24)
+        mask[:, 6:] = 1
+        loss, _ = TV.draft_batch_loss(net, target, (tokens, mask), args,
+                                      net.draft_to_target() if kind == "eagle3" else None)
+        loss.backward()
+        assert all(p.grad is None for p in target.parameters())  # the target stays frozen
+        grads.append({n: p.grad for n, p in net.named_parameters()})
+    for name, g in grads[0].items():
+        assert g is not None and g.abs().sum() > 0, name
+        assert torch.allclose(grads[1][name], g, rtol=1e-3, atol=1e-5), name
