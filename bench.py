@@ -148,7 +148,8 @@ def quartiles(xs):
 
 def draft_label(spec: str) -> str:
     base = spec[:-3] if spec.endswith("@ee") else spec
-    name = base if base == "lookup" else Path(base.split(":", 1)[-1]).name
+    path = Path(base.split(":", 1)[-1])
+    name = base if base == "lookup" else (path.parent.name if path.name == "checkpoint" else path.name)
     return name + (" +early-exit" if spec.endswith("@ee") else "")
 
 

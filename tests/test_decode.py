@@ -61,37 +61,45 @@ def test_greedy_speculative_equals_plain(tiny, other_tiny, k, which):
         assert spec["target_forwards"] <= -(-40 // (k + 1)) + k
 
 
-def test_lossless_reproduces_the_target_sequence_distribution(tmp_path_factory):
-    """Enumerate every 2-token continuation of a 16-token vocabulary and compare frequencies."""
+def sequence_distribution(target, prompt, n_new, temperature, V=16):
+    """Exact P(continuation) over all V**n_new continuations, by enumeration."""
+    seqs, probs = [[]], torch.ones(1, dtype=torch.double)
+    for _ in range(n_new):
+        rows = torch.tensor([prompt + s for s in seqs])
+        target.setup_caches(len(rows), rows.shape[1])
+        with torch.no_grad():
+            p = probs_from_logits(target(rows, torch.arange(rows.shape[1]))[:, -1], temperature)  # (rows, V)
+        probs = (probs[:, None] * p.double()).flatten()
+        seqs = [s + [t] for s in seqs for t in range(V)]
+    target.setup_caches(1, 64)
+    return probs
+
+
+@pytest.mark.parametrize("n_new,runs", [(2, 3000), pytest.param(3, 20000, marks=pytest.mark.slow)])
+def test_lossless_reproduces_the_target_sequence_distribution(tmp_path_factory, n_new, runs):
+    """Enumerate every continuation of a 16-token vocabulary and compare frequencies."""
     from conftest import write_tiny_checkpoint
     d_t, d_q = tmp_path_factory.mktemp("t16"), tmp_path_factory.mktemp("q16")
     write_tiny_checkpoint(d_t, "llama3", seed=1, vocab=16)
     write_tiny_checkpoint(d_q, "llama3", seed=2, vocab=16, layers=1)
-    target, draft_model, temperature = load(d_t, batch=16), load(d_q), 0.04  # random weights give flat logits
+    target, draft_model, temperature = load(d_t), load(d_q), 0.04  # random weights give flat logits
     prompt = [1, 2, 3, 4]
-    with torch.no_grad():
-        p1 = probs_from_logits(target(torch.tensor([prompt]), torch.arange(4))[0, -1], temperature)
-        rows = torch.tensor([prompt + [t] for t in range(16)])
-        p2 = probs_from_logits(target(rows, torch.arange(5))[:, -1], temperature)  # (16, 16)
-    exact = (p1[:, None] * p2).flatten().double()  # P(t1, t2)
+    exact = sequence_distribution(target, prompt, n_new, temperature)
 
-    runs = 3000
     g = torch.Generator().manual_seed(0)
     draft = ModelDraft(draft_model, temperature=temperature, generator=g)
-    counts = torch.zeros(256, dtype=torch.double)
+    counts = torch.zeros(len(exact), dtype=torch.double)
     for _ in range(runs):
-        out = generate(target, prompt, draft, Verifier("lossless"), k=2, max_new_tokens=2,
+        out = generate(target, prompt, draft, Verifier("lossless"), k=n_new, max_new_tokens=n_new,
                        temperature=temperature, generator=g)["tokens"]
-        counts[out[0] * 16 + out[1]] += 1
+        counts[sum(t * 16 ** (n_new - 1 - i) for i, t in enumerate(out))] += 1
     # Pearson chi-square over cells with enough expected mass; 6 standard deviations above df
     keep = exact * runs >= 5
     chi2 = ((counts[keep] - runs * exact[keep]) ** 2 / (runs * exact[keep])).sum().item()
     df = int(keep.sum()) - 1
     assert chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
-    # and the test has power: the draft's own distribution is clearly rejected
-    with torch.no_grad():
-        q1 = probs_from_logits(draft_model(torch.tensor([prompt]), torch.arange(4))[0, -1], temperature)
-    assert (q1 - p1).abs().sum() > 0.2
+    # and the test has power: the draft's own distribution is clearly different
+    assert (sequence_distribution(draft_model, prompt, n_new, temperature) - exact).abs().sum() > 0.2
 
 
 def test_stop_token_inside_a_block_and_exact_budget(tiny):
