@@ -175,12 +175,18 @@ def dflash_blocks(net: DFlash, embed, lm_head, tokens, features, anchors):
 
 
 def draft_batch_loss(net, target, batch, args, draft_ids=None):
-    """One training batch: target features and logits (no grad), the draft's forward, the loss."""
-    tokens, loss_mask = batch  # (B, T), (B, T): 1 where a token is response (to be predicted)
+    """One training batch: target features and logits (no grad), the draft's forward, the loss.
+    batch: tokens (B, T), response mask (B, T) and, from the offline cache, the target's features
+    (B, T, n*dim) and final states (B, T, dim), from which its logits are one matmul away."""
+    tokens, loss_mask, *cached = batch
     B, T = tokens.shape
     with torch.no_grad():
-        target_logits, hidden = target(tokens, torch.arange(T, device=tokens.device), hidden_layers=args.layers)
-        features = torch.cat(hidden, -1)
+        if cached:
+            features, final = (c.to(target.norm.weight.dtype) for c in cached)
+            target_logits = target.lm_head(target.norm(final))
+        else:
+            target_logits, hidden = target(tokens, torch.arange(T, device=tokens.device), hidden_layers=args.layers)
+            features = torch.cat(hidden, -1)
     if args.draft == "eagle3":
         K = args.ttt_steps
         logits, heads = eagle3_ttt(net, target.embed_tokens, tokens, features, K)  # (B, K, T, Vd), (B, K, T)
@@ -332,18 +338,59 @@ def draft_vocabulary(data, vocab_size: int, size: int):
     return top - torch.arange(size), t2d
 
 
-def batches(data, batch_size: int, seq_len: int, rng: random.Random):
-    """Endless random batches (tokens (B, T), response mask (B, T)), right-padded to the longest."""
+def batches(data, batch_size: int, seq_len: int, rng: random.Random, cache=None):
+    """Endless random batches (tokens (B, T), response mask (B, T)), right-padded to the longest;
+    with a feature cache, also the cached features and final states (B, T, ...)."""
     while True:
-        picks = [data[rng.randrange(len(data))] for _ in range(batch_size)]
-        T = min(seq_len, max(len(ids) for ids, _ in picks))
+        picks = [rng.randrange(len(data)) for _ in range(batch_size)]
+        T = min(seq_len, max(len(data[i][0]) for i in picks))
         tokens = torch.zeros(batch_size, T, dtype=torch.long)
         mask = torch.zeros(batch_size, T)
-        for b, (ids, start) in enumerate(picks):
+        for b, i in enumerate(picks):
+            ids, start = data[i]
             ids = ids[:T]
             tokens[b, :len(ids)] = torch.tensor(ids)
             mask[b, start:len(ids)] = 1
-        yield tokens, mask
+        if cache is None:
+            yield tokens, mask
+            continue
+        stacked = []
+        for part in range(2):  # features, final states
+            x = torch.zeros(batch_size, T, cache[0][part].shape[-1], dtype=cache[0][part].dtype)
+            for b, i in enumerate(picks):
+                rows = cache[i][part][:T]
+                x[b, :len(rows)] = rows
+            stacked.append(x)
+        yield tokens, mask, *stacked
+
+
+@torch.no_grad()
+def feature_cache(target, data, args) -> list:
+    """Opt-in offline cache for small targets: the fused features and final states of every
+    training sequence, computed once (bf16) and reused by every epoch and run."""
+    layers = tuple(args.layers) + (target.args.n_layer,)
+    key = hashlib.sha1(json.dumps([args.target, layers, args.seq_len, len(data),
+                                   sum(len(ids) for ids, _ in data), data[0][0][:16]]).encode()).hexdigest()[:12]
+    path = Path(args.cache_dir) / f"features-{key}.pt"
+    if path.is_file():
+        return torch.load(path)
+    device = target.embed_tokens.weight.device
+    out = []
+    for start in tqdm(range(0, len(data), args.batch_size), desc="target features", file=sys.stderr):
+        chunk = [ids[:args.seq_len] for ids, _ in data[start:start + args.batch_size]]
+        T = max(len(ids) for ids in chunk)
+        tokens = torch.zeros(len(chunk), T, dtype=torch.long, device=device)
+        for b, ids in enumerate(chunk):
+            tokens[b, :len(ids)] = torch.tensor(ids)
+        _, hidden = target(tokens, torch.arange(T, device=device), hidden_layers=layers)
+        features, final = torch.cat(hidden[:-1], -1), hidden[-1]
+        out += [(features[b, :len(ids)].to("cpu", torch.bfloat16), final[b, :len(ids)].to("cpu", torch.bfloat16))
+                for b, ids in enumerate(chunk)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(out, tmp)
+    tmp.replace(path)
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -406,6 +453,9 @@ def get_args(argv=None):
     ap.add_argument("--out", default=None, help="output directory (default runs/<target>-<draft>-<objective>)")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     ap.add_argument("--cache-dir", default=str(M.cache_dir() / "train"), help="where regenerated responses are cached")
+    ap.add_argument("--cache-features", action="store_true",
+                    help="small targets: compute the target's features once and keep them on disk (bf16, "
+                         "~(n_layers+1)*dim*2 bytes a token) instead of a target forward every step")
     ap.add_argument("--prepare-only", action="store_true", help="build (and cache) the data, then stop")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=default_device())
@@ -506,7 +556,8 @@ def main(argv=None):
         step = state["step"]
         rng.setstate(state["rng"])
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
-    stream = batches(data, args.batch_size, args.seq_len, rng)
+    cache = feature_cache(target, data, args) if args.cache_features else None
+    stream = batches(data, args.batch_size, args.seq_len, rng, cache)
     log_file = args.out / "log.jsonl"
     log = [json.loads(line) for line in log_file.read_text().splitlines()][:step] if state and log_file.is_file() else []
     t0 = time.time()
@@ -516,9 +567,9 @@ def main(argv=None):
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = lr
-        tokens, mask = next(stream)
+        batch = [x.to(device) for x in next(stream)]
         with autocast:
-            loss, stats = model(tokens.to(device), mask.to(device))
+            loss, stats = model(*batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -554,8 +605,8 @@ class DraftLoss(torch.nn.Module):
         super().__init__()
         self.net, self.frozen, self.args, self.draft_ids = net, [target], args, draft_ids
 
-    def forward(self, tokens, mask):
-        return draft_batch_loss(self.net, self.frozen[0], (tokens, mask), self.args, self.draft_ids)
+    def forward(self, *batch):
+        return draft_batch_loss(self.net, self.frozen[0], batch, self.args, self.draft_ids)
 
 
 def save_checkpoint(net, target, args, step, opt, rng, log):

@@ -311,7 +311,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
               "--response-tokens", "12", "--gen-batch", "4", "--batch-size", "2", "--seq-len", "32",
               "--eval-prompts", "2", "--eval-every", "2", "--save-every", "2", "--block-size", "4",
               "--ttt-steps", "3", "--draft-vocab", "200", "--out", str(tmp_path / "run"),
-              "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"]
+              "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"] + (["--cache-features"] if kind == "dflash" else [])
     TV.main(common + ["--steps", "2"])
     cache = list((tmp_path / "cache").glob("responses-*.pt"))
     assert len(cache) == 1
@@ -349,3 +349,26 @@ def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, 
     for name, g in grads[0].items():
         assert g is not None and g.abs().sum() > 0, name
         assert torch.allclose(grads[1][name], g, rtol=1e-3, atol=1e-5), name
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_offline_feature_cache_gives_the_on_the_fly_loss(tiny_dir, tmp_path, kind):
+    import random
+    target = M.load_model(tiny_dir("qwen3_untied"))
+    target.setup_caches(3, 40)
+    net = eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=4)
+    args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", beta=1.0, ttt_steps=3, blocks_per_seq=2,
+                              layers=eagle3_target_layers(target.args.n_layer) if kind == "eagle3"
+                              else tuple(i + 1 for i in net.target_layer_ids),
+                              target="tiny", seq_len=32, batch_size=3, cache_dir=str(tmp_path))
+    torch.manual_seed(0)
+    data = [(torch.randint(0, 96, (n,)).tolist(), 4) for n in (20, 28, 36, 12, 25)]
+    cache = TV.feature_cache(target, data, args)
+    assert len(list(tmp_path.glob("features-*.pt"))) == 1 and TV.feature_cache(target, data, args)[0][0].dtype == torch.bfloat16
+    tokens, mask, feats, final = next(TV.batches(data, 3, 32, random.Random(0), cache))
+    ids = net.draft_to_target() if kind == "eagle3" else None
+    torch.manual_seed(1)
+    fly, _ = TV.draft_batch_loss(net, target, (tokens, mask), args, ids)
+    torch.manual_seed(1)
+    cached, _ = TV.draft_batch_loss(net, target, (tokens, mask, feats, final), args, ids)
+    assert cached.item() == pytest.approx(fly.item(), rel=2e-2)
