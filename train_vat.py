@@ -595,6 +595,8 @@ def main(argv=None):
     if master:
         print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step, "minutes": (time.time() - t0) / 60,
                           "final": log[-1] if log else None}))
+    if ddp:
+        dist.destroy_process_group()
 
 
 class DraftLoss(torch.nn.Module):

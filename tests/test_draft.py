@@ -372,3 +372,25 @@ def test_offline_feature_cache_gives_the_on_the_fly_loss(tiny_dir, tmp_path, kin
     torch.manual_seed(1)
     cached, _ = TV.draft_batch_loss(net, target, (tokens, mask, feats, final), args, ids)
     assert cached.item() == pytest.approx(fly.item(), rel=2e-2)
+
+
+@pytest.mark.slow
+def test_train_vat_under_torchrun_ddp(tmp_path):
+    """Two CPU processes (gloo) train one draft; rank 0 writes the checkpoint."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    tiny_chat_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers"}) + "\n" for i in range(12)))
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(root / "train_vat.py"),
+                        "--target", str(tmp_path / "target"), "--data", str(prompts), "--num-prompts", "12",
+                        "--response-tokens", "12", "--gen-batch", "4", "--batch-size", "2", "--seq-len", "32",
+                        "--eval-prompts", "2", "--eval-every", "3", "--save-every", "3", "--ttt-steps", "3",
+                        "--draft-vocab", "200", "--steps", "3", "--out", str(tmp_path / "run"),
+                        "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["steps"] == 3
+    assert load_draft(tmp_path / "run" / "checkpoint", M.load_model(tmp_path / "target"))[0] == "eagle3"
