@@ -146,18 +146,24 @@ def quartiles(xs):
 # -----------------------------------------------------------------------------
 # Runs
 
+def split_early_exit(spec: str):
+    """'DRAFT@ee' -> (DRAFT, 'auto'): the paper's threshold; 'DRAFT@ee0.2' -> (DRAFT, 0.2)."""
+    base, _, ee = spec.partition("@ee")
+    return base, (None if "@ee" not in spec else float(ee) if ee else "auto")
+
+
 def draft_label(spec: str) -> str:
-    base = spec[:-3] if spec.endswith("@ee") else spec
+    base, early_exit = split_early_exit(spec)
     path = Path(base.split(":", 1)[-1])
     name = base if base == "lookup" else (path.parent.name if path.name == "checkpoint" else path.name)
-    return name + (" +early-exit" if spec.endswith("@ee") else "")
+    return name + ("" if early_exit is None else " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}"))
 
 
 def make_draft(spec, target, tokenizer, temperature, device, dtype, generator):
-    """A draft spec as decode.py takes it, optionally suffixed @ee for the paper's early exit."""
-    early_exit = "auto" if spec.endswith("@ee") else None
+    """A draft spec as decode.py takes it, optionally suffixed @ee (or @ee<threshold>) for early exit."""
+    base, early_exit = split_early_exit(spec)
     ns = argparse.Namespace(temperature=temperature, top_p=1.0, pack=True, early_exit=early_exit)
-    return build_draft(spec[:-3] if spec.endswith("@ee") else spec, target, tokenizer, ns, device, dtype, generator)
+    return build_draft(base, target, tokenizer, ns, device, dtype, generator)
 
 
 def hf_peer(target_dir, kind: str, k: int):
@@ -337,7 +343,7 @@ def get_args(argv=None):
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     ap.add_argument("--drafts", default=default_drafts,
                     help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds the "
-                         "paper's early exit (0.5 EAGLE-3, 0.6 DFlash)")
+                         "paper's early exit (0.5 EAGLE-3, 0.6 DFlash), @ee0.2 a threshold of your own")
     ap.add_argument("--verifiers", default="greedy,lossless", help=f"comma-separated, from {','.join(VERIFIERS)}; "
                     "greedy runs only at T=0")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
