@@ -279,14 +279,9 @@ def batch_generate(target, prompts_ids: list, max_new_tokens: int, stop_ids, tem
 
 def magpie_prompts(target, tokenizer, n: int, batch: int, max_tokens: int = 96) -> list:
     """Prompts the target writes itself: sample from the bare chat-template prefix of a user turn."""
-    prefix = tokenizer.encode_chat([{"role": "user", "content": "\x00"}])
-    cut = tokenizer.encode_chat([{"role": "user", "content": "\x00"}])
-    # the prefix ends where the user's text would begin: drop the placeholder and everything after it
-    marker = tokenizer.encode("\x00")
-    for i in range(len(cut) - len(marker) + 1):
-        if cut[i:i + len(marker)] == marker:
-            prefix = cut[:i]
-            break
+    # the prefix ends where the user's text would begin: cut the chat at a placeholder message
+    chat, marker = tokenizer.encode_chat([{"role": "user", "content": "\x00"}]), tokenizer.encode("\x00")
+    prefix = next(chat[:i] for i in range(len(chat)) if chat[i:i + len(marker)] == marker)
     g = torch.Generator(device=target.embed_tokens.weight.device).manual_seed(1)
     prompts = []
     for _ in tqdm(range(0, n, batch), desc="self-generated prompts", file=sys.stderr):
