@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from decode import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULTS, build_draft, default_device, generate, load_target, prompt_text
+from decode import DEFAULT_DRAFTS, build_draft, default_device, generate, load_target, prompt_text
 from verify import VERIFIERS, Verifier
 
 ROOT = Path(__file__).resolve().parent

@@ -49,13 +49,13 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
     device = target.embed_tokens.weight.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     L = len(prompt_ids)
+    k = k if draft is not None else 0
     need = L + max_new_tokens + k
     if L == 0:
         raise ValueError("empty prompt")
     if need > target.max_seq_len:
         raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + {k} drafted needs {need} positions; "
                          f"the context holds {target.max_seq_len} (lower --max-new-tokens or raise --max-seq-len)")
-    k = k if draft is not None else 0
     layers = getattr(draft, "target_layers", ())  # EAGLE-3 / DFlash read the target's hidden states
     t_start = time.perf_counter()
     draft_forwards_before = getattr(draft, "forwards", 0)

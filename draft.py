@@ -21,7 +21,6 @@ verification heads: EAGLE-3 (one decoder layer over fused target features, draft
 token) and DFlash (a block-diffusion drafter filling B-1 masked positions in one forward).
 """
 import json
-import math
 from pathlib import Path
 
 import torch

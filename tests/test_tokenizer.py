@@ -2,7 +2,6 @@
 import json
 from pathlib import Path
 
-import pytest
 
 import model as M
 
