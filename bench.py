@@ -48,11 +48,11 @@ SPEC_BENCH = DATA / "spec_bench_questions.jsonl"
 
 # the quality sweep: each lossy verifier's parameter, from near-lossless to lenient
 SWEEP = [("lossless", {})] + \
-    [("minp", {"p_base": v}) for v in (0.3, 0.1, 0.02)] + \
-    [("eta", {"eps": v}) for v in (0.01, 0.09, 0.3)] + \
-    [("cos", {"lam": v}) for v in (0.75, 0.5, 0.25)] + \
-    [("lenience", {"lenience": v}) for v in (0.75, 0.5, 0.25)] + \
-    [("overshoot", {"ceiling": v, "lam": 0.5}) for v in (1.5, 2.0, 4.0)]
+        [("minp", {"p_base": v}) for v in (0.3, 0.05)] + \
+        [("eta", {"eps": v}) for v in (0.01, 0.3)] + \
+        [("cos", {"lam": v}) for v in (0.75, 0.25)] + \
+        [("lenience", {"lenience": v}) for v in (0.75, 0.25)] + \
+        [("overshoot", {"ceiling": v, "lam": 0.5}) for v in (2.0, 4.0)]
 
 
 # -----------------------------------------------------------------------------
@@ -282,6 +282,107 @@ def quality_runs(args, target, tokenizer, dtype, generator):
 
 
 # -----------------------------------------------------------------------------
+# Decode-speed table: the named targets' shapes with random weights, against the bandwidth floor.
+# A decode step reads every weight once, so weight bytes / copy bandwidth is the fastest a step
+# can be; the table says how close one eager or compiled step gets, and what verifying k+1 tokens
+# in one forward costs next to one token (on a GPU the weights dominate, so it is close to 1).
+
+SHAPES = {  # the fields of the published config.json files that fix the shape
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                         rope_theta=1e5, tie_word_embeddings=True),
+    "qwen3-4b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9728,
+                     rope_theta=1e6, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                         rope_theta=5e5, tie_word_embeddings=False,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+}
+
+
+def seconds_per_call(fn, device: str, reps: int) -> float:
+    """Median wall time of fn() over reps calls, after warm-up, with the device synchronized."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Bytes per second of one large on-device copy, counting the read and the write."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / seconds_per_call(lambda: dst.copy_(src), device, reps)
+
+
+def random_target(shape: dict, device: str, dtype: torch.dtype) -> M.Transformer:
+    """A target of the named shape with random weights, built in place on the device."""
+    with torch.device("meta"):
+        net = M.Transformer(M.ModelArgs.from_hf_config(shape)).to(dtype)
+    net = net.to_empty(device=device).eval().requires_grad_(False)
+    if net.args.tie_word_embeddings:  # to_empty may give the two names separate storage
+        net.lm_head.weight = net.embed_tokens.weight
+    for name, p in net.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02)
+    return net
+
+
+def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(False, True),
+                       verify_k=(3, 7, 15), context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30) -> list:
+    bandwidth = copy_bandwidth(device, copy_bytes)
+    rows = []
+    for name in tqdm(names, desc="decode-speed table", file=sys.stderr):
+        net = random_target(SHAPES[name], device, dtype)
+        net.setup_caches(1, context + max(verify_k) + 1)
+        # a step reads every weight but the embedding table, of which it reads one row (unless tied)
+        read = {id(p): p for n, p in net.named_parameters() if n != "embed_tokens.weight"}
+        read[id(net.lm_head.weight)] = net.lm_head.weight
+        weight_bytes = sum(p.numel() * p.element_size() for p in read.values())
+        params_b = sum(p.numel() for p in {id(p): p for p in net.parameters()}.values()) / 1e9
+        tokens = torch.randint(0, net.args.vocab_size, (1, context + max(verify_k) + 1), device=device)
+        with torch.no_grad():
+            net(tokens[:, :context], torch.arange(context, device=device))  # fill the cache once
+            for compiled in sorted(compile_modes, reverse=True):
+                net.attend_full_cache = compiled  # static shapes: one graph per query length
+                if not compiled:  # eager CPU steps run on packed weights, as decode.py's do; inductor
+                    M.pack_for_cpu(net)  # packs its own (a no-op off the CPU)
+                # on CUDA, CUDA graphs remove the per-kernel launch cost that otherwise dominates
+                mode = ("reduce-overhead" if device.startswith("cuda") else "default") if compiled else None
+                step = torch.compile(net, dynamic=False, mode=mode) if compiled else net
+
+                def forward(n):  # n query tokens at the end of the context (a rewrite of the same slots)
+                    pos = torch.arange(context, context + n, device=device)
+                    return lambda: step(tokens[:, context:context + n], pos)
+                t0 = time.perf_counter()
+                one = seconds_per_call(forward(1), device, reps)
+                verify = {k: seconds_per_call(forward(k + 1), device, reps) / one for k in verify_k}
+                rows.append({"target": name, "compiled": compiled, "compile_mode": mode, "dtype": str(dtype).replace("torch.", ""),
+                             "params_b": params_b,
+                             "weight_gb_per_step": weight_bytes / 1e9, "bandwidth_gb_s": bandwidth / 1e9,
+                             "floor_ms": 1e3 * weight_bytes / bandwidth, "ms_per_token": 1e3 * one,
+                             "tokens_per_s": 1 / one, "fraction_of_floor": weight_bytes / bandwidth / one,
+                             "verify_cost": {k + 1: v for k, v in verify.items()},
+                             "wall_s": time.perf_counter() - t0})
+        del net
+        torch._dynamo.reset()  # drop the compiled graphs of this shape before the next one
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return sorted(rows, key=lambda r: (names.index(r["target"]), r["compiled"]))
+
+
+# -----------------------------------------------------------------------------
 # Report
 
 def plots(summary, quality, out_dir: Path, stem: str) -> list:
@@ -360,6 +461,12 @@ def get_args(argv=None):
     ap.add_argument("--quality-draft", default=None, help="draft for the quality sweep (default: the first of --drafts)")
     ap.add_argument("--quality-temperature", type=float, default=1.0)
     ap.add_argument("--quality-max-new-tokens", type=int, default=256)
+    ap.add_argument("--decode-table", default="auto",
+                    help=f"comma-separated shapes from {','.join(SHAPES)} timed with random weights against the "
+                         "memory-bandwidth floor; auto = qwen3-4b,llama-3.1-8b on CUDA, none on CPU; 'none' skips")
+    ap.add_argument("--decode-table-compile", default="auto", choices=("auto", "both", "off"),
+                    help="time torch.compile'd steps next to eager ones; auto = both on CUDA, eager only on CPU "
+                         "(a compile costs ~1 min per query length there)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=default_device())
@@ -377,6 +484,12 @@ def get_args(argv=None):
     args.quality = [t for t in args.quality.split(",") if t]
     if any(t not in ("gsm8k", "humaneval") for t in args.quality):
         ap.error("--quality takes gsm8k and/or humaneval")
+    table = {"auto": "qwen3-4b,llama-3.1-8b" if args.device.startswith("cuda") else "", "none": ""}
+    args.decode_table = [n for n in table.get(args.decode_table, args.decode_table).split(",") if n]
+    if any(n not in SHAPES for n in args.decode_table):
+        ap.error(f"--decode-table takes shapes from {', '.join(SHAPES)}")
+    args.decode_table_compile = (False, True) if args.decode_table_compile == "both" or (
+        args.decode_table_compile == "auto" and args.device.startswith("cuda")) else (False,)
     args.quality_draft = args.quality_draft or (args.drafts[0] if args.drafts else "lookup")
     for name in args.verifiers:
         Verifier(name)  # unknown names fail before anything loads
@@ -386,10 +499,17 @@ def get_args(argv=None):
 def main(argv=None):
     args = get_args(argv)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    target, tokenizer = load_target(args.target, args.device, dtype, 4096)
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    summary, records = ({}, {}) if args.speed_off else speed_runs(args, target, tokenizer, dtype, generator)
-    quality = quality_runs(args, target, tokenizer, dtype, generator) if args.quality else {}
+    summary, records, quality = {}, {}, {}
+    if not args.speed_off or args.quality:
+        target, tokenizer = load_target(args.target, args.device, dtype, 4096)
+        generator = torch.Generator(device=args.device).manual_seed(args.seed)
+        if not args.speed_off:
+            summary, records = speed_runs(args, target, tokenizer, dtype, generator)
+        if args.quality:
+            quality = quality_runs(args, target, tokenizer, dtype, generator)
+        del target
+    table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile) \
+        if args.decode_table else []
 
     print(f"\n{args.target} on {args.device} ({torch.get_num_threads()} threads), k={args.num_draft_tokens}, "
           f"{args.max_new_tokens} new tokens max\n")
@@ -408,6 +528,19 @@ def main(argv=None):
             print(f"| {label} | {r['family']} | {r['block_efficiency']:.2f} | {r['accuracy']:.3f} | "
                   f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | {r['n']} |")
 
+    if table:
+        print(f"\ndecode speed, random weights, {table[0]['dtype']}, copy bandwidth "
+              f"{table[0]['bandwidth_gb_s']:.0f} GB/s\n")
+        ks = list(table[0]["verify_cost"])
+        print("| shape | torch.compile | weights read/step | floor | ms/token | tokens/s | of floor | "
+              + " | ".join(f"verify {n} tok" for n in ks) + " |")
+        print("|---|---|---|---|---|---|---|" + "---|" * len(ks))
+        for r in table:
+            print(f"| {r['target']} | {r['compile_mode'] or 'eager'} | {r['weight_gb_per_step']:.2f} GB | "
+                  f"{r['floor_ms']:.2f} ms | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | "
+                  f"{100 * r['fraction_of_floor']:.0f}% | " + " | ".join(f"{v:.2f}x" for v in r["verify_cost"].values())
+                  + " |")
+
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     out = Path(args.out or ROOT / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -417,7 +550,7 @@ def main(argv=None):
                    "device": args.device, "threads": torch.get_num_threads(),
                    "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version(),
                    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
-        "speed": summary, "quality": quality, "plots": [str(p) for p in images],
+        "speed": summary, "quality": quality, "decode_table": table, "plots": [str(p) for p in images],
         "runs": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for name, rs in records.items()},
     }
     tmp = out.with_suffix(".tmp")
@@ -428,7 +561,9 @@ def main(argv=None):
     print(json.dumps({"results": str(out), "best": best, "best_speedup": speedups.get(best),
                       "tokens_per_s": {n: s["tokens_per_s_median"] for n, s in summary.items()},
                       "tau": {n: s["tau"] for n, s in summary.items() if s["tau"]},
-                      "quality": {t: {l: r["accuracy"] for l, r in rs.items()} for t, rs in quality.items()}}))
+                      "quality": {t: {l: r["accuracy"] for l, r in rs.items()} for t, rs in quality.items()},
+                      "decode_tokens_per_s": {r["target"] + (" compiled" if r["compiled"] else ""): r["tokens_per_s"]
+                                              for r in table}}))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
              generator: torch.Generator | None = None, on_tokens=None, step_fn=None) -> dict:
     """Generate up to max_new_tokens tokens after prompt_ids. Returns the new ids and statistics:
     tau (new tokens per target forward, bonus included), forwards, per-position acceptance."""
-    step_fn = step_fn or target
+    step_fn = target if step_fn is None else step_fn  # (a compiled module has no truth value)
     device = target.embed_tokens.weight.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     L = len(prompt_ids)
@@ -271,13 +271,16 @@ def main(argv=None):
     args = get_args(argv)
     verifier = make_verifier(args)  # bad parameters fail before any weights load
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
-    target, tokenizer = load_target(args.target, args.device, dtype, args.max_seq_len, args.pack)
+    compile_step = args.compile == "on" or (args.compile == "auto" and args.device.startswith("cuda"))
+    # inductor packs CPU weights itself and cannot lower ours, so a compiled target stays unpacked
+    target, tokenizer = load_target(args.target, args.device, dtype, args.max_seq_len,
+                                    args.pack and not compile_step)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     draft = None
     if args.verifier != "none":
         draft = build_draft(args.draft, target, tokenizer, args, args.device, dtype, generator)
     step_fn = target
-    if args.compile == "on" or (args.compile == "auto" and args.device.startswith("cuda")):
+    if compile_step:
         target.attend_full_cache = True  # one static shape per k, so the compiled graph is reused
         step_fn = torch.compile(target, dynamic=False)
 

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 import bench
+import model as M
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_shared_data = pytest.mark.skipif(not bench.SPEC_BENCH.is_file(),
@@ -66,3 +69,38 @@ def test_wilson_interval():
     lo, hi = bench.wilson(50, 100)
     assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
     assert bench.wilson(0, 10)[0] == 0.0 and bench.wilson(10, 10)[1] == 1.0
+
+
+def test_named_shapes_have_the_published_parameter_counts():
+    # the counts on the model cards: the shapes in the decode-speed table are the real ones
+    published = {"smollm2-135m": 134_515_008, "qwen3-4b": 4_022_468_096, "llama-3.1-8b": 8_030_261_248}
+    for name, count in published.items():
+        with torch.device("meta"):
+            net = M.Transformer(M.ModelArgs.from_hf_config(bench.SHAPES[name]))
+        assert sum(p.numel() for p in net.parameters()) == count, name
+
+
+@pytest.mark.parametrize("tied,compiled", [(True, False), (False, False),
+                                           pytest.param(True, True, marks=pytest.mark.slow)])  # ~40 s compile
+def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, compiled):
+    shape = dict(model_type="qwen3", vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=96, tie_word_embeddings=tied)
+    monkeypatch.setitem(bench.SHAPES, "tiny", shape)
+    net = bench.random_target(shape, "cpu", torch.float32)
+    assert (net.lm_head.weight.data_ptr() == net.embed_tokens.weight.data_ptr()) == tied
+    assert all(p.isfinite().all() for p in net.parameters())
+    rows = bench.decode_speed_table(["tiny"], "cpu", torch.float32, compile_modes=(compiled,),
+                                    verify_k=(3, 7), context=32, reps=3, copy_bytes=1 << 24)
+    (row,) = rows
+    assert row["compiled"] == compiled and (row["compile_mode"] == "default") == compiled
+    # by hand: per layer q, k, v, o, gate, up, down, two norms and the q/k head norms; then the final
+    # norm and the lm_head; the embedding table is read once per step only as the tied lm_head
+    d, f, hd = 64, 96, 16
+    per_layer = d * (4 * hd) + 2 * d * (2 * hd) + (4 * hd) * d + 3 * d * f + 2 * d + 2 * hd
+    floats = 2 * per_layer + d + 320 * d
+    assert row["weight_gb_per_step"] * 1e9 == 4 * floats
+    assert row["floor_ms"] == pytest.approx(1e3 * 4 * floats / (row["bandwidth_gb_s"] * 1e9))
+    assert row["fraction_of_floor"] == pytest.approx(row["floor_ms"] / row["ms_per_token"])
+    assert row["tokens_per_s"] == pytest.approx(1e3 / row["ms_per_token"])
+    assert set(row["verify_cost"]) == {4, 8} and all(v > 0 for v in row["verify_cost"].values())
+    assert row["params_b"] * 1e9 == pytest.approx(floats + (0 if tied else 320 * d))

@@ -132,3 +132,15 @@ def test_default_target_prompt_lookup(smollm2_dir):
     assert plain["tau"] == 1.0 and spec["tau"] > 1.0
     assert spec["target_forwards"] < plain["target_forwards"]
     assert spec["text"] in s.stdout  # the streamed text is the final text
+
+
+@pytest.mark.slow  # ~1 min of inductor compiles
+def test_compiled_step_gives_the_eager_tokens(tiny):
+    """decode.py --compile: the compiled, full-cache-attending (unpacked) target decodes the same tokens."""
+    eager, compiled = load(tiny), load(tiny)
+    compiled.attend_full_cache = True
+    step = torch.compile(compiled, dynamic=False)
+    prompt = [5, 9, 2, 5, 9, 2, 5, 9, 11, 3]
+    want = generate(eager, prompt, LookupDraft(), Verifier("greedy"), 3, 24)
+    got = generate(compiled, prompt, LookupDraft(), Verifier("greedy"), 3, 24, step_fn=step)
+    assert got["tokens"] == want["tokens"] and got["target_forwards"] == want["target_forwards"]
