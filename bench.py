@@ -209,7 +209,7 @@ def speed_runs(args, target, tokenizer, dtype, generator):
             return how(ids, args.max_new_tokens, temperature, stop_ids)
         draft, verifier = how or (None, Verifier("greedy"))
         return generate(target, ids, draft, verifier, args.num_draft_tokens if draft else 0, args.max_new_tokens,
-                        temperature, 1.0, stop_ids, generator)
+                        temperature, 1.0, stop_ids, generator, step_fn=args.step_fn)
 
     prompts = load_prompts(Path(args.prompt_file), args.categories, args.limit)
     encoded = [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
@@ -265,7 +265,8 @@ def quality_runs(args, target, tokenizer, dtype, generator):
             for label, name, params in configs:
                 verifier = Verifier(name or "lossless", **params)
                 r = generate(target, ids, draft if name else None, verifier, args.num_draft_tokens if name else 0,
-                             args.quality_max_new_tokens, args.quality_temperature, 1.0, tokenizer.stop_ids, generator)
+                             args.quality_max_new_tokens, args.quality_temperature, 1.0, tokenizer.stop_ids, generator,
+                             step_fn=args.step_fn)
                 text = tokenizer.decode([t for t in r["tokens"] if t not in tokenizer.stop_ids])
                 ok = gsm8k_correct(text, problem["answer"]) if task == "gsm8k" else humaneval_passes(problem, text)
                 res = results[label]
@@ -461,6 +462,8 @@ def get_args(argv=None):
     ap.add_argument("--quality-draft", default=None, help="draft for the quality sweep (default: the first of --drafts)")
     ap.add_argument("--quality-temperature", type=float, default=1.0)
     ap.add_argument("--quality-max-new-tokens", type=int, default=256)
+    ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                    help="torch.compile the target's decode step as decode.py does; auto = on for CUDA only")
     ap.add_argument("--decode-table", default="auto",
                     help=f"comma-separated shapes from {','.join(SHAPES)} timed with random weights against the "
                          "memory-bandwidth floor; auto = qwen3-4b,llama-3.1-8b on CUDA, none on CPU; 'none' skips")
@@ -484,6 +487,7 @@ def get_args(argv=None):
     args.quality = [t for t in args.quality.split(",") if t]
     if any(t not in ("gsm8k", "humaneval") for t in args.quality):
         ap.error("--quality takes gsm8k and/or humaneval")
+    args.compile = args.compile == "on" or (args.compile == "auto" and args.device.startswith("cuda"))
     table = {"auto": "qwen3-4b,llama-3.1-8b" if args.device.startswith("cuda") else "", "none": ""}
     args.decode_table = [n for n in table.get(args.decode_table, args.decode_table).split(",") if n]
     if any(n not in SHAPES for n in args.decode_table):
@@ -501,7 +505,11 @@ def main(argv=None):
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     summary, records, quality = {}, {}, {}
     if not args.speed_off or args.quality:
-        target, tokenizer = load_target(args.target, args.device, dtype, 4096)
+        target, tokenizer = load_target(args.target, args.device, dtype, 4096, pack=not args.compile)
+        args.step_fn = None
+        if args.compile:  # as decode.py --compile: one static graph per block length
+            target.attend_full_cache = True
+            args.step_fn = torch.compile(target, dynamic=False)
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
         if not args.speed_off:
             summary, records = speed_runs(args, target, tokenizer, dtype, generator)
@@ -546,8 +554,8 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     images = plots(summary, quality, out.parent, out.stem)
     result = {
-        "config": {**{k: v for k, v in vars(args).items()}, "git_commit": commit, "torch": torch.__version__,
-                   "device": args.device, "threads": torch.get_num_threads(),
+        "config": {**{k: v for k, v in vars(args).items() if k != "step_fn"}, "git_commit": commit,
+                   "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
                    "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version(),
                    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
         "speed": summary, "quality": quality, "decode_table": table, "plots": [str(p) for p in images],
