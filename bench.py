@@ -341,7 +341,7 @@ def random_target(shape: dict, device: str, dtype: torch.dtype) -> M.Transformer
 
 
 def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(False, True),
-                       verify_k=(3, 7, 15), context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30) -> list:
+                       verify_k=(7,), context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30) -> list:
     bandwidth = copy_bandwidth(device, copy_bytes)
     rows = []
     for name in tqdm(names, desc="decode-speed table", file=sys.stderr):
@@ -440,7 +440,8 @@ def plots(summary, quality, out_dir: Path, stem: str) -> list:
 def get_args(argv=None):
     ap = argparse.ArgumentParser(description="Speculative decoding benchmark: speed and quality, side by side.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--target", default=M.DEFAULT_TARGET)
+    ap.add_argument("--target", default=M.DEFAULT_TARGET,
+                    help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
     committed = DEFAULT_DRAFTS.get(M.DEFAULT_TARGET)
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     ap.add_argument("--drafts", default=default_drafts,
@@ -449,19 +450,19 @@ def get_args(argv=None):
     ap.add_argument("--verifiers", default="greedy,lossless", help=f"comma-separated, from {','.join(VERIFIERS)}; "
                     "greedy runs only at T=0")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
-    ap.add_argument("-k", "--num-draft-tokens", type=int, default=7)
+    ap.add_argument("-k", "--num-draft-tokens", type=int, default=7, help="tokens drafted per target forward")
     ap.add_argument("--prompt-file", default=str(SPEC_BENCH), help="Spec-Bench-style jsonl (or any supported jsonl)")
-    ap.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
+    ap.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories; all when omitted")
     ap.add_argument("--limit", type=int, default=3, help="prompts per category")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per speed-run prompt, at most")
     ap.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
     ap.add_argument("--peers", action="store_true", help="also run transformers' generate and assisted lookup")
     ap.add_argument("--speed-off", action="store_true", help="skip the speed runs")
     ap.add_argument("--quality", default="", help="comma-separated quality tasks: gsm8k, humaneval")
     ap.add_argument("--quality-limit", type=int, default=20, help="problems per quality task")
-    ap.add_argument("--quality-draft", default=None, help="draft for the quality sweep (default: the first of --drafts)")
-    ap.add_argument("--quality-temperature", type=float, default=1.0)
-    ap.add_argument("--quality-max-new-tokens", type=int, default=256)
+    ap.add_argument("--quality-draft", default=None, help="draft for the quality sweep; the first of --drafts when omitted")
+    ap.add_argument("--quality-temperature", type=float, default=1.0, help="sampling temperature of the sweep")
+    ap.add_argument("--quality-max-new-tokens", type=int, default=256, help="answer length limit per problem")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the target's decode step as decode.py does; auto = on for CUDA only")
     ap.add_argument("--decode-table", default="auto",
@@ -471,9 +472,9 @@ def get_args(argv=None):
                     help="time torch.compile'd steps next to eager ones; auto = both on CUDA, eager only on CPU "
                          "(a compile costs ~1 min per query length there)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=default_device())
-    ap.add_argument("--out", default=None, help="JSON results path (default: results/bench-<time>.json)")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
+    ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
+    ap.add_argument("--out", default=None, help="JSON results path; results/bench-<time>.json when omitted")
     args = ap.parse_args(argv)
     if args.quick:
         args.limit, args.max_new_tokens, args.warmup = 1, 16, 0
@@ -516,8 +517,8 @@ def main(argv=None):
         if args.quality:
             quality = quality_runs(args, target, tokenizer, dtype, generator)
         del target
-    table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile) \
-        if args.decode_table else []
+    table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile,
+                               verify_k=(args.num_draft_tokens,)) if args.decode_table else []
 
     print(f"\n{args.target} on {args.device} ({torch.get_num_threads()} threads), k={args.num_draft_tokens}, "
           f"{args.max_new_tokens} new tokens max\n")
