@@ -135,6 +135,27 @@ def wilson(successes: int, n: int, z: float = 1.96):
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def reset_peak_memory(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 to clear_refs restarts the resident-set high-water mark (VmHWM)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # elsewhere the figure is the process's peak so far
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak device memory allocated (CUDA), or the process's peak resident set (CPU), in MiB."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.is_file() else []:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def quartiles(xs):
     xs = sorted(xs)
     if len(xs) < 2:
@@ -205,11 +226,14 @@ def speed_runs(args, target, tokenizer, dtype, generator):
 
     def run(name, ids):
         temperature, how = runs[name]
+        reset_peak_memory(args.device)
         if callable(how):
-            return how(ids, args.max_new_tokens, temperature, stop_ids)
-        draft, verifier = how or (None, Verifier("greedy"))
-        return generate(target, ids, draft, verifier, args.num_draft_tokens if draft else 0, args.max_new_tokens,
-                        temperature, 1.0, stop_ids, generator, step_fn=args.step_fn)
+            r = how(ids, args.max_new_tokens, temperature, stop_ids)
+        else:
+            draft, verifier = how or (None, Verifier("greedy"))
+            r = generate(target, ids, draft, verifier, args.num_draft_tokens if draft else 0, args.max_new_tokens,
+                         temperature, 1.0, stop_ids, generator, step_fn=args.step_fn)
+        return {**r, "peak_memory_mb": peak_memory_mb(args.device)}
 
     prompts = load_prompts(Path(args.prompt_file), args.categories, args.limit)
     encoded = [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
@@ -244,6 +268,7 @@ def speed_runs(args, target, tokenizer, dtype, generator):
             "draft_time_fraction": sum(r["draft_seconds"] for r in rs) / sum(r["seconds"] for r in rs),
             "drafted_tokens": sum(r.get("drafted_tokens", 0) for r in rs),
             "early_exit_saved": sum(r.get("early_exit_saved", 0) for r in rs),
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in rs),
             "new_tokens": sum(r["new_tokens"] for r in rs),
             "target_forwards": sum(r["target_forwards"] or 0 for r in rs),
         }
@@ -523,12 +548,14 @@ def main(argv=None):
     print(f"\n{args.target} on {args.device} ({torch.get_num_threads()} threads), k={args.num_draft_tokens}, "
           f"{args.max_new_tokens} new tokens max\n")
     if summary:
-        print("| run | tau | tokens/s (median) | speedup (median, IQR) | draft time |")
-        print("|---|---|---|---|---|")
+        memory = "GPU memory" if args.device.startswith("cuda") else "peak RSS"
+        print(f"| run | tau | tokens/s (median) | speedup (median, IQR) | draft time | {memory} |")
+        print("|---|---|---|---|---|---|")
         for name, s in summary.items():
             tau = f"{s['tau']:.2f}" if s["tau"] else "-"
             print(f"| {name} | {tau} | {s['tokens_per_s_median']:.1f} | {s['speedup_median']:.2f}x "
-                  f"({s['speedup_iqr'][0]:.2f}-{s['speedup_iqr'][1]:.2f}) | {100 * s['draft_time_fraction']:.0f}% |")
+                  f"({s['speedup_iqr'][0]:.2f}-{s['speedup_iqr'][1]:.2f}) | {100 * s['draft_time_fraction']:.0f}% | "
+                  f"{s['peak_memory_mb']:.0f} MiB |")
     for task, results in quality.items():
         print(f"\n{task}, T={args.quality_temperature:g}, draft {draft_label(args.quality_draft)}\n")
         print("| verifier | family | block efficiency | accuracy | 95% CI | n |")
