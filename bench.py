@@ -279,12 +279,13 @@ def quality_runs(args, target, tokenizer, dtype, generator):
     """The lossy-verifier sweep on GSM8K / HumanEval, every configuration on every problem."""
     spec = args.quality_draft
     draft = make_draft(spec, target, tokenizer, args.quality_temperature, args.device, dtype, generator)
-    configs = [("plain sampling", None, {})] + [(f"{n} " + " ".join(f"{k}={v:g}" for k, v in p.items()),
-                                                 n, p) for n, p in SWEEP]
+    configs = [("plain sampling", None, {})] + [(" ".join([n] + [f"{k}={v:g}" for k, v in p.items()]), n, p)
+                                                for n, p in SWEEP]
     out = {}
     for task in args.quality:
         problems = gsm8k_problems(args.quality_limit) if task == "gsm8k" else humaneval_problems(args.quality_limit)
-        results = {label: {"correct": 0, "new": 0, "forwards": 0} for label, _, _ in configs}
+        # per problem too, so that two verifiers can be compared problem by problem
+        results = {label: {"correct": 0, "new": 0, "forwards": 0, "per_problem": []} for label, _, _ in configs}
         for problem in tqdm(problems, desc=f"quality {task}", file=sys.stderr):
             ids = tokenizer.encode_chat([{"role": "user", "content": problem["prompt"]}])
             for label, name, params in configs:
@@ -298,6 +299,8 @@ def quality_runs(args, target, tokenizer, dtype, generator):
                 res["correct"] += ok
                 res["new"] += r["new_tokens"]
                 res["forwards"] += r["target_forwards"]
+                res["per_problem"].append({"correct": bool(ok), "new_tokens": r["new_tokens"],
+                                           "target_forwards": r["target_forwards"]})
         for label, res in results.items():
             n = len(problems)
             res.update(n=n, accuracy=res["correct"] / n, ci95=wilson(res["correct"], n),

@@ -106,3 +106,27 @@ def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, com
     assert row["tokens_per_s"] == pytest.approx(1e3 / row["ms_per_token"])
     assert set(row["verify_cost"]) == {4, 8} and all(v > 0 for v in row["verify_cost"].values())
     assert row["params_b"] * 1e9 == pytest.approx(floats + (0 if tied else 320 * d))
+
+
+@needs_shared_data
+def test_quality_sweep_is_consistent(tmp_path):
+    out = tmp_path / "quality.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--speed-off", "--quality", "gsm8k,humaneval",
+                        "--quality-limit", "2", "--quality-max-new-tokens", "8", "--quality-draft", "lookup",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    quality = json.loads(out.read_text())["quality"]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["quality"] == \
+        {t: {label: res["accuracy"] for label, res in rs.items()} for t, rs in quality.items()}
+    for task, results in quality.items():
+        assert set(results) == {"plain sampling"} | {" ".join([n] + [f"{k}={v:g}" for k, v in p.items()])
+                                                      for n, p in bench.SWEEP}
+        for label, res in results.items():
+            rows = res["per_problem"]
+            assert res["n"] == len(rows) == 2
+            assert res["accuracy"] == sum(x["correct"] for x in rows) / 2
+            assert res["ci95"][0] <= res["accuracy"] <= res["ci95"][1]
+            assert res["block_efficiency"] == pytest.approx(sum(x["new_tokens"] for x in rows) /
+                                                            sum(x["target_forwards"] for x in rows))
+            assert all(x["new_tokens"] <= 8 for x in rows)
+        assert results["plain sampling"]["block_efficiency"] == 1.0
