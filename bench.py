@@ -218,6 +218,8 @@ def speed_runs(args, target, tokenizer, dtype, generator):
             for name in args.verifiers:
                 if name == "greedy" and temperature > 0:
                     continue
+                if name == "lossless" and temperature == 0 and "greedy" in args.verifiers:
+                    continue  # at T=0 lossless keeps exactly what greedy keeps: the run would repeat it
                 runs[f"{draft_label(spec)} {name} T={temperature:g}"] = (temperature, (draft, Verifier(name)))
         if args.peers:
             target_dir = M.resolve_model(args.target)
@@ -476,7 +478,7 @@ def get_args(argv=None):
                     help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds the "
                          "paper's early exit (0.5 EAGLE-3, 0.6 DFlash), @ee0.2 a threshold of your own")
     ap.add_argument("--verifiers", default="greedy,lossless", help=f"comma-separated, from {','.join(VERIFIERS)}; "
-                    "greedy runs only at T=0")
+                    "greedy runs only at T=0, where lossless (the same rule there) is left out if greedy is in")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=7, help="tokens drafted per target forward")
     ap.add_argument("--prompt-file", default=str(SPEC_BENCH), help="Spec-Bench-style jsonl (or any supported jsonl)")
