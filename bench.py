@@ -447,15 +447,16 @@ def plots(summary, quality, out_dir: Path, stem: str) -> list:
         fig.tight_layout()
         written.append(out_dir / f"{stem}-acceptance-by-position.png")
         fig.savefig(written[-1], dpi=120)
-    for task, results in (quality or {}).items():  # block efficiency versus quality per family
+    for task, results in (quality or {}).items():  # block efficiency versus quality: one curve per verifier
         fig, ax = plt.subplots(figsize=(6, 4))
-        families = {}
+        curves = {}
         for label, r in results.items():
-            families.setdefault(r["family"], []).append(r)
-        for family, rs in families.items():
+            curves.setdefault(label.split()[0] if label != "plain sampling" else label, []).append(r)
+        for name, rs in curves.items():
+            rs = sorted(rs, key=lambda r: r["block_efficiency"])
             ax.errorbar([r["block_efficiency"] for r in rs], [r["accuracy"] for r in rs],
                         yerr=[[r["accuracy"] - r["ci95"][0] for r in rs], [r["ci95"][1] - r["accuracy"] for r in rs]],
-                        fmt="o", capsize=3, label=family)
+                        fmt="o-" if len(rs) > 1 else "s", capsize=3, alpha=0.8, label=f"{name} ({rs[0]['family']})")
         ax.set_xlabel("block efficiency (tokens per target forward)")
         ax.set_ylabel("accuracy" if task == "gsm8k" else "pass@1")
         ax.set_title(task)
