@@ -420,6 +420,7 @@ def plots(summary, quality, out_dir: Path, stem: str) -> list:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap("tab20").colors)  # >10 runs stay apart
     written = []
     drafts = {n: s for n, s in summary.items() if s["tau"] and not n.startswith("baseline")}
     if drafts:  # tau per task group for each draft
