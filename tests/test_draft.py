@@ -384,7 +384,9 @@ def test_train_vat_under_torchrun_ddp(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers"}) + "\n" for i in range(12)))
     root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(root / "train_vat.py"),
+    # --standalone: a free rendezvous port; with the fixed default (29500) one of three runs failed
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(root / "train_vat.py"),
                         "--target", str(tmp_path / "target"), "--data", str(prompts), "--num-prompts", "12",
                         "--response-tokens", "12", "--gen-batch", "4", "--batch-size", "2", "--seq-len", "32",
                         "--eval-prompts", "2", "--eval-every", "3", "--save-every", "3", "--ttt-steps", "3",
