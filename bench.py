@@ -399,8 +399,8 @@ def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(Fa
                 t0 = time.perf_counter()
                 one = seconds_per_call(forward(1), device, reps)
                 verify = {k: seconds_per_call(forward(k + 1), device, reps) / one for k in verify_k}
-                rows.append({"target": name, "compiled": compiled, "compile_mode": mode, "dtype": str(dtype).replace("torch.", ""),
-                             "params_b": params_b,
+                rows.append({"target": name, "compiled": compiled, "compile_mode": mode,
+                             "dtype": str(dtype).replace("torch.", ""), "params_b": params_b,
                              "weight_gb_per_step": weight_bytes / 1e9, "bandwidth_gb_s": bandwidth / 1e9,
                              "floor_ms": 1e3 * weight_bytes / bandwidth, "ms_per_token": 1e3 * one,
                              "tokens_per_s": 1 / one, "fraction_of_floor": weight_bytes / bandwidth / one,
@@ -492,7 +492,8 @@ def get_args(argv=None):
     ap.add_argument("--speed-off", action="store_true", help="skip the speed runs")
     ap.add_argument("--quality", default="", help="comma-separated quality tasks: gsm8k, humaneval")
     ap.add_argument("--quality-limit", type=int, default=20, help="problems per quality task")
-    ap.add_argument("--quality-draft", default=None, help="draft for the quality sweep; the first of --drafts when omitted")
+    ap.add_argument("--quality-draft", default=None,
+                    help="draft for the quality sweep; the first of --drafts when omitted")
     ap.add_argument("--quality-temperature", type=float, default=1.0, help="sampling temperature of the sweep")
     ap.add_argument("--quality-max-new-tokens", type=int, default=256, help="answer length limit per problem")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
@@ -549,6 +550,7 @@ def main(argv=None):
         if args.quality:
             quality = quality_runs(args, target, tokenizer, dtype, generator)
         del target
+        args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
     table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile,
                                verify_k=(args.num_draft_tokens,)) if args.decode_table else []
 
@@ -589,10 +591,9 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     images = plots(summary, quality, out.parent, out.stem)
     result = {
-        "config": {**{k: v for k, v in vars(args).items() if k != "step_fn"}, "git_commit": commit,
+        "config": {**vars(args), "git_commit": commit,
                    "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
-                   "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version(),
-                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
+                   "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version()},
         "speed": summary, "quality": quality, "decode_table": table, "plots": [str(p) for p in images],
         "runs": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for name, rs in records.items()},
     }
