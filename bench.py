@@ -39,7 +39,8 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from decode import DEFAULT_DRAFTS, build_draft, default_device, generate, load_target, prompt_text
+from decode import (DEFAULT_DRAFTS, build_draft, compile_step, default_device, generate, load_target,
+                    prompt_text, wants_compile)
 from verify import VERIFIERS, Verifier
 
 ROOT = Path(__file__).resolve().parent
@@ -521,7 +522,7 @@ def get_args(argv=None):
     args.quality = [t for t in args.quality.split(",") if t]
     if any(t not in ("gsm8k", "humaneval") for t in args.quality):
         ap.error("--quality takes gsm8k and/or humaneval")
-    args.compile = args.compile == "on" or (args.compile == "auto" and args.device.startswith("cuda"))
+    args.compile = wants_compile(args.compile, args.device)
     table = {"auto": "qwen3-4b,llama-3.1-8b" if args.device.startswith("cuda") else "", "none": ""}
     args.decode_table = [n for n in table.get(args.decode_table, args.decode_table).split(",") if n]
     if any(n not in SHAPES for n in args.decode_table):
@@ -540,10 +541,7 @@ def main(argv=None):
     summary, records, quality = {}, {}, {}
     if not args.speed_off or args.quality:
         target, tokenizer = load_target(args.target, args.device, dtype, 4096, pack=not args.compile)
-        args.step_fn = None
-        if args.compile:  # as decode.py --compile: one static graph per block length
-            target.attend_full_cache = True
-            args.step_fn = torch.compile(target, dynamic=False)
+        args.step_fn = compile_step(target) if args.compile else None
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
         if not args.speed_off:
             summary, records = speed_runs(args, target, tokenizer, dtype, generator)

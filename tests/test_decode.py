@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import model as M
-from decode import generate
+from decode import compile_step, generate
 from draft import LookupDraft, ModelDraft
 from verify import Verifier, probs_from_logits
 
@@ -138,8 +138,7 @@ def test_default_target_prompt_lookup(smollm2_dir):
 def test_compiled_step_gives_the_eager_tokens(tiny):
     """decode.py --compile: the compiled, full-cache-attending (unpacked) target decodes the same tokens."""
     eager, compiled = load(tiny), load(tiny)
-    compiled.attend_full_cache = True
-    step = torch.compile(compiled, dynamic=False)
+    step = compile_step(compiled)
     prompt = [5, 9, 2, 5, 9, 2, 5, 9, 11, 3]
     want = generate(eager, prompt, LookupDraft(), Verifier("greedy"), 3, 24)
     got = generate(compiled, prompt, LookupDraft(), Verifier("greedy"), 3, 24, step_fn=step)
