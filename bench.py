@@ -44,7 +44,7 @@ from decode import (DEFAULT_DRAFTS, build_draft, compile_step, default_device, g
 from verify import VERIFIERS, Verifier
 
 ROOT = Path(__file__).resolve().parent
-DATA = ROOT.parent / "shared" / "data"
+DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
 SPEC_BENCH = DATA / "spec_bench_questions.jsonl"
 
 # the quality sweep: each lossy verifier's parameter, from near-lossless to lenient

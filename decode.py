@@ -14,6 +14,7 @@ ordinary autoregressive decoding: the baseline every speedup is measured against
 import argparse
 import codecs
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 
 import model as M
 from draft import DFlashDrafter, Eagle3Drafter, LookupDraft, ModelDraft, draft_kind, load_draft
-from verify import VERIFIERS, Verifier, probs_from_logits, verify
+from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
 
 
 def default_device() -> str:
@@ -90,7 +91,8 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
     drafted_at = [0] * k  # blocks that drafted a token at position i
     stopped = False
     while len(new) < max_new_tokens and not stopped:
-        budget = min(k, max_new_tokens - len(new) - 1)  # guesses past the token budget are wasted
+        # guesses past the token budget are wasted; a DFlash block holds at most block_size - 1
+        budget = min(k, max_new_tokens - len(new) - 1, getattr(draft, "max_tokens", k))
         tokens, q = torch.tensor([], dtype=torch.long), None
         if budget > 0:
             t0 = time.perf_counter()
@@ -164,16 +166,34 @@ def prompt_text(record: dict) -> str:
 
 
 def read_prompts(path) -> list:
+    """The prompts of a text file (the whole file is one) or a jsonl (one per record)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"prompt file not found: {path}")
-    if path.suffix == ".jsonl":
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        try:
-            return [prompt_text(json.loads(line)) for line in lines]
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid jsonl: {e}") from None
-    return [path.read_text()]
+    if path.suffix != ".jsonl":
+        prompts = [path.read_text()]
+    else:
+        prompts = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {number} is not valid JSON: {e}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path} line {number} is not a JSON object")
+            prompts.append(check_prompt(prompt_text(record), f"{path} line {number}"))
+    if not prompts or not all(p.strip() for p in prompts):
+        raise ValueError(f"{path} holds no prompt" if not prompts else f"{path} is empty")
+    return prompts
+
+
+def check_prompt(text, where: str) -> str:
+    """A prompt must be non-empty text: None or '' would decode nothing, or the word 'None'."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: the prompt is {'empty' if isinstance(text, str) else repr(text)}")
+    return text
 
 
 EARLY_EXIT_DEFAULTS = {"eagle3": 0.5, "dflash": 0.6}  # the VAT paper's thresholds
@@ -199,7 +219,7 @@ def build_draft(spec: str, target, tokenizer, args, device, dtype, generator):
         early_exit = EARLY_EXIT_DEFAULTS[kind] if early_exit == "auto" else early_exit
         common = dict(temperature=args.temperature, top_p=args.top_p, generator=generator, early_exit=early_exit)
         if kind == "eagle3":
-            return Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, target.max_seq_len, **common)
+            return Eagle3Drafter(net, target.embed_tokens, target.max_seq_len, **common)
         return DFlashDrafter(net, target.embed_tokens, target.lm_head, target.max_seq_len, **common)
     draft_model = M.load_model(path, dtype=dtype, device=device)
     if draft_model.args.vocab_size != target.args.vocab_size:
@@ -221,17 +241,22 @@ def get_args(argv=None):
                     help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
     ap.add_argument("--draft", default=None,
                     help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, or a "
-                         "model name/directory sharing the target's tokenizer (default: the committed VAT "
-                         "draft for smollm2-135m, none for other targets)")
+                         "model name/directory sharing the target's tokenizer. Default: the fastest configuration "
+                         "measured on a 2-core CPU (README): prompt lookup at T = 0, plain decoding at T > 0 (where "
+                         "lookup measured slower); with a lossy --verifier, the committed EAGLE-3 draft for "
+                         "smollm2-135m (those verifiers mix the draft's distribution into the target's), else lookup")
     ap.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
-                    help="'none' is plain autoregressive decoding; default: greedy at T=0, else lossless")
+                    help="'none' is plain autoregressive decoding; default: greedy at T = 0 and none at T > 0 "
+                         "without --draft, greedy at T = 0 and lossless at T > 0 with one")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="tokens drafted per step")
     ap.add_argument("--early-exit", nargs="?", const="auto", default=None, type=lambda v: v if v == "auto" else float(v),
                     help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls below "
                          "this (bare flag: 0.5 for EAGLE-3, 0.6 for DFlash)")
     ap.add_argument("--p-base", type=float, default=0.1, help="minp: keep x iff p(x) >= p_base * max p")
-    ap.add_argument("--eps", type=float, default=0.09, help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p)))")
-    ap.add_argument("--delta", type=float, default=None, help="eta: default sqrt(eps)")
+    ap.add_argument("--eps", type=float, default=3e-4,
+                    help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p))); 3e-4 is eta-sampling's setting, "
+                         "0.09 Medusa's typical acceptance")
+    ap.add_argument("--delta", type=float, default=None, help="eta: default sqrt(eps), as eta-sampling")
     ap.add_argument("--lam", type=float, default=0.5, help="cos / overshoot: weight of p in lam*p + (1-lam)*q")
     ap.add_argument("--lenience", type=float, default=0.5, help="lenience: accept with min(1, p/(l*q))")
     ap.add_argument("--ceiling", type=float, default=2.0, help="overshoot: an overshot token gets at most c*p(x)")
@@ -241,7 +266,9 @@ def get_args(argv=None):
     ap.add_argument("--system", default=None, help="system message (default: the model's own, if any)")
     ap.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     ap.add_argument("--max-new-tokens", type=int, default=200)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="0 is greedy; default 0, or 1 with a lossy verifier (at 0 every verifier keeps exactly "
+                         "the target's argmax, so a lossy one would change nothing)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (capped by the model's)")
@@ -255,17 +282,34 @@ def get_args(argv=None):
                     help="keep nn.Linear weights as they are on CPU (packing is ~1.5x faster)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of results per prompt")
     args = ap.parse_args(argv)
+    for name in ("temperature", "top_p", "p_base", "eps", "delta", "lam", "lenience", "ceiling"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            ap.error(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     if args.num_draft_tokens < 1:
         ap.error(f"-k must be >= 1, got {args.num_draft_tokens}")
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        ap.error("need --temperature >= 0 and 0 < --top-p <= 1")
+    if args.prompt is not None and not args.prompt.strip():
+        ap.error("--prompt is empty")
     if isinstance(args.early_exit, float) and not 0 <= args.early_exit <= 1:
         ap.error(f"--early-exit must lie in [0, 1], got {args.early_exit}")
+    lossy = args.verifier in LOSSY
+    if args.temperature is None:
+        args.temperature = 1.0 if lossy else 0.0
+        if lossy:
+            print(f"note: {args.verifier} verifies sampled tokens, so --temperature defaults to 1 here "
+                  f"(at 0 every verifier keeps exactly the target's argmax)", file=sys.stderr)
+    elif lossy and args.temperature == 0:
+        print(f"note: at --temperature 0 the {args.verifier} verifier is greedy verification: it keeps exactly "
+              f"the target's argmax tokens (set --temperature > 0 to see what it changes)", file=sys.stderr)
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        ap.error("need --temperature >= 0 and 0 < --top-p <= 1")
     committed = DEFAULT_DRAFTS.get(args.target)
-    if args.draft is None and args.verifier != "none" and committed is not None and committed.is_dir():
-        args.draft = str(committed)  # the VAT-trained draft that ships with the repository
+    if args.draft is None and lossy:
+        args.draft = str(committed) if committed is not None and committed.is_dir() else "lookup"
+    if args.draft is None and args.verifier is None and args.temperature == 0:
+        args.draft = "lookup"  # the fastest measured at T = 0 (README's Spec-Bench table)
     if args.verifier is None:
         args.verifier = "none" if args.draft is None else ("greedy" if args.temperature == 0 else "lossless")
     if args.verifier != "none" and args.draft is None:
@@ -277,6 +321,18 @@ def make_verifier(args) -> Verifier:
     name = "greedy" if args.verifier == "none" else args.verifier
     return Verifier(name, p_base=args.p_base, eps=args.eps, delta=args.delta, lam=args.lam,
                     lenience=args.lenience, ceiling=args.ceiling)
+
+
+def summary_line(result: dict, args, speculative: bool) -> str:
+    """What speculation did for one answer, in one line for stderr."""
+    how = f"{args.draft} draft, {args.verifier} verifier, k={args.num_draft_tokens}" if speculative else "plain decoding"
+    line = (f"[{how}, T={args.temperature:g}] {result['new_tokens']} tokens at {result['tokens_per_s']:.1f} tok/s, "
+            f"{result['target_forwards']} target forwards")
+    if speculative:
+        kept = result["new_tokens"] - result["target_forwards"]  # every forward adds one token of its own
+        line += (f", tau {result['tau']:.2f} ({result['drafted_tokens']} drafted, {max(kept, 0)} kept, "
+                 f"{100 * result['draft_seconds'] / max(result['seconds'], 1e-9):.0f}% of the time drafting)")
+    return line
 
 
 def main(argv=None):
@@ -292,7 +348,7 @@ def main(argv=None):
     step_fn = compile_step(target) if compiled else target
 
     prompts = read_prompts(args.prompt_file) if args.prompt_file else \
-        [args.prompt or "Explain in three sentences why the sky is blue."]
+        [args.prompt if args.prompt is not None else "Explain in three sentences why the sky is blue."]
     for text in prompts:
         if args.raw:
             ids = tokenizer.encode(text)
@@ -311,6 +367,8 @@ def main(argv=None):
         result = generate(target, ids, draft, verifier, args.num_draft_tokens, args.max_new_tokens,
                           args.temperature, args.top_p, stop_ids, generator, stream, step_fn)
         sys.stdout.write(utf8.decode(b"", final=True) + "\n")
+        sys.stdout.flush()
+        print(summary_line(result, args, draft is not None), file=sys.stderr)
         if args.json:
             result["text"] = tokenizer.decode([t for t in result["tokens"] if t not in stop_ids])
             result.update(target=args.target, draft=args.draft if draft else None, verifier=args.verifier,

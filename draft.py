@@ -21,6 +21,7 @@ verification heads: EAGLE-3 (one decoder layer over fused target features, draft
 token) and DFlash (a block-diffusion drafter filling B-1 masked positions in one forward).
 """
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -141,9 +142,11 @@ class Eagle3(nn.Module):
     d2t (draft id i -> target id i + d2t[i]), t2d (bool over the target vocabulary), plus ours:
     verify_head (the verification head, a linear probe + sigmoid on the normed last state)."""
 
-    def __init__(self, args: M.ModelArgs, target_dim: int, draft_vocab: int):
+    def __init__(self, args: M.ModelArgs, target_dim: int, draft_vocab: int, target_layers):
         super().__init__()
         self.args = args
+        # the target states fc fuses, in model.py's index convention (the input of those layers)
+        self.target_layers = tuple(target_layers)
         self.fc = nn.Linear(3 * target_dim, args.dim, bias=False)
         self.midlayer = Eagle3Layer(args)
         self.norm = M.RMSNorm(args.dim, args.norm_eps)
@@ -182,11 +185,10 @@ class Eagle3Drafter:
     places the pair at position t of its own cache. Real pairs arrive with each commit; drafted
     pairs (the draft's own output with its sampled token) go past them and are overwritten."""
 
-    def __init__(self, net: Eagle3, embed: nn.Embedding, target_n_layer: int, max_seq_len: int,
-                 temperature: float = 0.0, top_p: float = 1.0, generator=None, early_exit: float | None = None,
-                 target_layers=None):
+    def __init__(self, net: Eagle3, embed: nn.Embedding, max_seq_len: int,
+                 temperature: float = 0.0, top_p: float = 1.0, generator=None, early_exit: float | None = None):
         self.net, self.embed = net, embed
-        self.target_layers = tuple(target_layers or eagle3_target_layers(target_n_layer))
+        self.target_layers = net.target_layers
         self.temperature, self.top_p, self.generator, self.early_exit = temperature, top_p, generator, early_exit
         p = net.fc.weight
         self.cache = M.KVCache(1, net.args.n_kv_head, max_seq_len, net.args.head_dim, p.dtype, p.device)
@@ -216,7 +218,9 @@ class Eagle3Drafter:
     def propose(self, k: int):
         net = self.net
         device = net.fc.weight.device
-        tokens_in = torch.tensor(self.pending_tokens, device=device)
+        if not self.pending_tokens:  # a one-token prompt: no target state to draft from yet
+            return torch.tensor([], dtype=torch.long), None
+        tokens_in = torch.tensor(self.pending_tokens, dtype=torch.long, device=device)
         hidden = net.fc(self.pending_features.to(device=device, dtype=net.fc.weight.dtype))
         out = self.step(tokens_in, hidden, self.cache_len)[-1:]
         self.cache_len += len(tokens_in)
@@ -303,6 +307,7 @@ class DFlashDrafter:
                  temperature: float = 0.0, top_p: float = 1.0, generator=None, early_exit: float | None = None):
         self.net, self.embed, self.lm_head = net, embed, lm_head
         self.target_layers = tuple(i + 1 for i in net.target_layer_ids)  # outputs of those layers
+        self.max_tokens = net.block_size - 1  # one block drafts at most this many (the anchor is known)
         self.temperature, self.top_p, self.generator, self.early_exit = temperature, top_p, generator, early_exit
         p = net.fc.weight
         self.caches = [M.KVCache(1, net.args.n_kv_head, max_seq_len + net.block_size, net.args.head_dim, p.dtype, p.device)
@@ -384,27 +389,93 @@ def draft_args(config: dict) -> M.ModelArgs:
     return M.ModelArgs.from_hf_config(cfg)
 
 
+# config flags of released drafts that change the network in ways this file does not implement:
+# a draft carrying one would load and then run with wrong logits, so it is refused instead
+UNSUPPORTED_FLAGS = {
+    "eagle3": {"fc_norm": True, "norm_output": False, "use_fc_bias": True},
+    "dflash": {"causal": True, "use_swa": True, "attention_sink_bias": True, "sample_from_anchor": True},
+}
+
+
+def check_supported(config: dict, kind: str, path: Path):
+    sections = [config, config.get("eagle_config") or {}, config.get("dflash_config") or {}]
+    for flag, bad in UNSUPPORTED_FLAGS[kind].items():
+        if any(section.get(flag) == bad for section in sections):
+            raise M.CheckpointError(f"draft {path} sets {flag}={json.dumps(bad)}, which this implementation "
+                                    f"does not support")
+    if config.get("hidden_act", "silu") != "silu":
+        raise M.CheckpointError(f"draft {path} uses hidden_act={config['hidden_act']!r}; only silu is supported")
+    if kind == "eagle3" and config.get("num_hidden_layers", 1) != 1:
+        raise M.CheckpointError(f"draft {path} has {config['num_hidden_layers']} decoder layers; EAGLE-3 drafts "
+                                f"with more than one are not supported")
+
+
+def eagle3_layers_from_config(config: dict, n_target_layer: int) -> tuple:
+    """The fused target states, in model.py's index convention. Released configs name the layers
+    whose *output* is read (SpecForge's eagle_config.eagle_aux_hidden_state_layer_ids, read first,
+    as SpecForge does), so each id j is our hidden[j + 1]; without them, EAGLE-3's default."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+        or config.get("eagle_aux_hidden_state_layer_ids")
+    return tuple(j + 1 for j in ids) if ids else eagle3_target_layers(n_target_layer)
+
+
+def dflash_settings(config: dict, n_draft_layer: int, path: Path):
+    """(target layer ids, mask token id, number of target layers) from dflash_config or, as some
+    released configs have them, the top level."""
+    dc = config.get("dflash_config") or {}
+    mask_id = dc.get("mask_token_id", config.get("mask_token_id"))
+    if not isinstance(mask_id, int) or isinstance(mask_id, bool):
+        raise M.CheckpointError(f"DFlash draft {path} names no mask_token_id (in dflash_config or at the top "
+                                f"level): its blocks cannot be filled")
+    n_target = config.get("num_target_layers")
+    layer_ids = dc.get("target_layer_ids") or config.get("target_layer_ids")
+    if not layer_ids:
+        if not n_target:
+            raise M.CheckpointError(f"DFlash draft {path} names neither target_layer_ids nor num_target_layers")
+        layer_ids = dflash_target_layers(n_target, n_draft_layer)  # DFlash's own rule for the default
+    return list(layer_ids), mask_id, n_target
+
+
+def check_matches_target(path: Path, target: M.Transformer, target_dim: int, layers, n_target):
+    """A draft trained for another target loads fine and then fails mid-run: compare what it
+    recorded about its target (vocabulary is checked by the caller) before anything runs."""
+    t = target.args
+    if target_dim != t.dim:
+        raise M.CheckpointError(f"draft {path} was trained on a target of hidden size {target_dim}; "
+                                f"this target has {t.dim}")
+    if n_target and n_target != t.n_layer:
+        raise M.CheckpointError(f"draft {path} was trained on a target of {n_target} layers; this one has {t.n_layer}")
+    if any(not 0 <= i <= t.n_layer for i in layers):
+        raise M.CheckpointError(f"draft {path} reads target hidden states {list(layers)}; this target has "
+                                f"only {t.n_layer} layers")
+
+
 def load_draft(path, target: M.Transformer, dtype=None, device=None):
-    """An EAGLE-3 or DFlash checkpoint directory -> (kind, network) matched to the target."""
+    """An EAGLE-3 or DFlash checkpoint directory -> (kind, network) matched to the target.
+    Every tensor must be one the network uses, and every config flag one it implements."""
     path = Path(path)
     config = M.read_config(path)
     kind = draft_kind(config)
+    check_supported(config, kind, path)
     args = draft_args(config)
     p = target.embed_tokens.weight
     dtype, device = dtype or p.dtype, device or p.device
     sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in read_draft_tensors(path).items()}
     sd = M.fuse_hf(sd)
-    target_dim = target.args.dim
     if args.vocab_size != target.args.vocab_size:
         raise M.CheckpointError(f"draft {path} is for a vocabulary of {args.vocab_size}, the target has "
                                 f"{target.args.vocab_size}")
     with torch.device("meta"):
         if kind == "eagle3":
-            net = Eagle3(args, config.get("target_hidden_size", target_dim), config.get("draft_vocab_size") or args.vocab_size)
+            target_dim = config.get("target_hidden_size", target.args.dim)
+            layers = eagle3_layers_from_config(config, target.args.n_layer)
+            check_matches_target(path, target, target_dim, layers, None)
+            net = Eagle3(args, target_dim, config.get("draft_vocab_size") or args.vocab_size, layers)
         else:
-            dc = config.get("dflash_config", {})
-            layer_ids = dc.get("target_layer_ids") or dflash_target_layers(target.args.n_layer, args.n_layer)
-            net = DFlash(args, target_dim, layer_ids, config.get("block_size", 16), dc.get("mask_token_id", 0))
+            layer_ids, mask_id, n_target = dflash_settings(config, args.n_layer, path)
+            check_matches_target(path, target, config.get("target_hidden_size", target.args.dim),
+                                 [i + 1 for i in layer_ids], n_target)
+            net = DFlash(args, target.args.dim, layer_ids, config.get("block_size", 16), mask_id)
     expected = net.state_dict()
     if "verify_head.weight" not in sd:  # released drafts have no verification head: start it neutral
         sd["verify_head.weight"] = torch.zeros(1, args.dim)
@@ -413,23 +484,26 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
         sd["d2t"] = torch.zeros(expected["d2t"].shape, dtype=torch.long)
         sd["t2d"] = torch.ones(expected["t2d"].shape, dtype=torch.bool)
     sd.pop("embed_tokens.weight", None)  # EAGLE-3 may carry a copy of the target's; we use the target's
+    unexpected = sorted(set(sd) - set(expected))
+    if unexpected:
+        raise M.CheckpointError(f"draft {path} holds tensor {unexpected[0]} that this {kind} network does not "
+                                f"use ({len(unexpected)} unexpected): refusing rather than running without it")
     for key, t in expected.items():
         if key not in sd:
             raise M.CheckpointError(f"draft checkpoint {path} lacks tensor {key}")
         if sd[key].shape != t.shape:
             raise M.CheckpointError(f"draft tensor {key} in {path} has shape {tuple(sd[key].shape)}, "
                                     f"expected {tuple(t.shape)}")
-    sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in sd.items() if k in expected}
+    sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in sd.items()}
     net.load_state_dict(sd, assign=True)
     return kind, net.eval()
 
 
-def save_draft(net, path, target_args: M.ModelArgs, extra_config: dict | None = None, dtype=torch.bfloat16):
-    """Write a draft in the released layout (HF names, unfused), atomically: temp dir, then rename."""
-    import shutil
-    import tempfile
+def write_draft_files(net, folder: Path, target_args: M.ModelArgs, extra_config: dict | None = None,
+                      dtype=torch.bfloat16):
+    """config.json and model.safetensors of a draft, in the released layout (HF names, unfused),
+    into an existing folder."""
     from safetensors.torch import save_file
-    path = Path(path)
     a = net.args
     config = {"hidden_size": a.dim, "intermediate_size": a.intermediate_size, "num_attention_heads": a.n_head,
               "num_key_value_heads": a.n_kv_head, "head_dim": a.head_dim, "num_hidden_layers": a.n_layer,
@@ -437,27 +511,43 @@ def save_draft(net, path, target_args: M.ModelArgs, extra_config: dict | None = 
               "vocab_size": a.vocab_size, "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", "")}
     if isinstance(net, Eagle3):
         config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
-                      draft_vocab_size=net.lm_head.out_features, target_hidden_size=target_args.dim)
+                      draft_vocab_size=net.lm_head.out_features, target_hidden_size=target_args.dim,
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in net.target_layers]})
     else:
         config.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=net.block_size,
-                      num_target_layers=target_args.n_layer,
+                      num_target_layers=target_args.n_layer, target_hidden_size=target_args.dim,
                       dflash_config={"target_layer_ids": net.target_layer_ids, "mask_token_id": net.mask_token_id})
     config.update(extra_config or {})
     sd = M.unfuse_to_hf({k: v.detach().cpu() for k, v in net.state_dict().items()}, a)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
+    save_file(sd, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def save_draft(net, path, target_args: M.ModelArgs, extra_config: dict | None = None, dtype=torch.bfloat16):
+    """Write a draft directory atomically: a temporary directory, renamed into place once whole."""
+    import shutil
+    import tempfile
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=path.parent))
     try:
-        save_file(sd, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if path.exists():  # replace an older save only once the new one is complete
-            old = path.with_name(path.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
+        write_draft_files(net, tmp, target_args, extra_config, dtype)
+        replace_directory(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def replace_directory(new: Path, path: Path):
+    """Move the complete directory `new` to `path`. An older `path` is first renamed aside, so a
+    kill in between leaves it under <path>.old, never half-deleted."""
+    import shutil
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        new.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        new.rename(path)

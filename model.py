@@ -68,24 +68,44 @@ class ModelArgs:
         scaling = rope if rope.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
             raise CheckpointError(f"unsupported rope scaling {scaling!r}")
-        n_head = cfg["num_attention_heads"]
+        n_head = config_int(cfg, "num_attention_heads")
+        dim = config_int(cfg, "hidden_size")
         return cls(
             model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            dim=cfg["hidden_size"],
-            n_layer=cfg["num_hidden_layers"],
+            vocab_size=config_int(cfg, "vocab_size"),
+            dim=dim,
+            n_layer=config_int(cfg, "num_hidden_layers"),
             n_head=n_head,
-            n_kv_head=cfg.get("num_key_value_heads") or n_head,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
-            intermediate_size=cfg["intermediate_size"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            n_kv_head=config_int(cfg, "num_key_value_heads", n_head),
+            head_dim=config_int(cfg, "head_dim", dim // n_head),
+            intermediate_size=config_int(cfg, "intermediate_size"),
+            norm_eps=config_number(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=config_number({"rope_theta": theta}, "rope_theta"),
             rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", model_type != "llama"),
+            max_position_embeddings=config_int(cfg, "max_position_embeddings", 8192),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
         )
+
+
+def config_int(cfg: dict, key: str, default=None) -> int:
+    """A positive integer field of config.json; a missing or mistyped one is a one-line error."""
+    value = cfg.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise CheckpointError(f"config.json lacks {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"config.json field {key!r} must be a positive integer, not {value!r}")
+    return value
+
+
+def config_number(cfg: dict, key: str, default=None) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CheckpointError(f"config.json field {key!r} must be a positive number, not {value!r}")
+    return float(value)
 
 
 # -----------------------------------------------------------------------------
@@ -99,7 +119,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        # normalize in fp32 and cast back before the weight, as HF, EAGLE and DFlash do, so bf16
+        # runs round where theirs round (both casts are no-ops for fp32 inputs)
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -391,6 +414,10 @@ def load_model(model_dir, dtype=torch.float32, device="cpu") -> Transformer:
     missing = sorted(set(expected) - set(sd))
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} lacks tensor {missing[0]} ({len(missing)} missing)")
+    unexpected = sorted(k for k in set(sd) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:  # e.g. weights for more layers than num_hidden_layers says: never drop them silently
+        raise CheckpointError(f"checkpoint {model_dir} holds tensor {unexpected[0]} that config.json does not "
+                              f"describe ({len(unexpected)} unexpected; num_hidden_layers={args.n_layer})")
     for k, shape in expected.items():
         if sd[k].shape != shape:
             raise CheckpointError(f"tensor {k} in {model_dir} has shape {tuple(sd[k].shape)}, "
@@ -469,6 +496,25 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def remove_stale_temporaries(folder: Path):
+    """Delete the .tmp-<pid>-* directories of conversions whose process is gone (killed halfway);
+    a live process's temporary directory is left alone."""
+    for tmp in folder.glob(".tmp-*") if folder.is_dir() else []:
+        pid = tmp.name.split("-")[1]
+        if tmp.is_dir() and not (pid.isdigit() and int(pid) != os.getpid() and process_alive(int(pid))):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def unpermute_qk(w, n_head):
     """llama.cpp interleaves the two RoPE halves of each q/k head; undo it for rotate_half RoPE."""
     rows, cols = w.shape
@@ -481,6 +527,9 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
     out_dir = Path(out_dir or cache_dir() / "smollm2-135m-instruct")
     if (out_dir / "model.safetensors").is_file():
         return out_dir
+    remove_stale_temporaries(out_dir.parent)
+    if out_dir.exists():  # left half-made by an older version or by hand: it would block the rename
+        shutil.rmtree(out_dir)
     import gguf
     from safetensors.torch import save_file
     reader = gguf.GGUFReader(str(embedded_gguf_path()))
@@ -527,7 +576,7 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
                   "merges": reader.fields["tokenizer.ggml.merges"].contents()},
     }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=out_dir.parent))
     try:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

@@ -7,9 +7,10 @@ bonus token from p[k] when all k are kept).
 Three families:
   exact         greedy (for T = 0) and lossless speculative sampling: the output is distributed
                 exactly as the target's.
-  truncation    minp, eta: keep a drafted token iff it lies in an allowed set of p; on rejection
-                the correction is drawn from p restricted to that set. Trades exactness for
-                acceptance; the output never leaves the allowed set.
+  truncation    minp, eta: keep a drafted token iff it lies in an allowed set of p; every token
+                the verifier draws itself, the correction on rejection and the bonus token after
+                a fully kept block, comes from p restricted to that set, as min-p and eta
+                sampling draw every token. So the output never leaves the allowed set.
   collaborative cos, lenience, overshoot: accept with min(1, t(x)/q(x)) for a target t that
                 mixes p and q, correct from the target's residual norm(max(0, p - q)).
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 VERIFIERS = ("greedy", "lossless", "minp", "eta", "cos", "lenience", "overshoot")
+LOSSY = VERIFIERS[2:]  # the truncation and collaborative families: output no longer the target's
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,10 @@ class Verifier:
     """A verification rule and its parameters (only those of `name` matter)."""
     name: str = "lossless"
     p_base: float = 0.1  # minp: keep x iff p(x) >= p_base * max p
-    eps: float = 0.09  # eta: keep x iff p(x) >= min(eps, delta * exp(-H(p)))
-    delta: float | None = None  # eta: defaults to sqrt(eps), Medusa's typical-acceptance alpha
+    # eta: keep x iff p(x) >= min(eps, delta * exp(-H(p))). eps 3e-4 with delta = sqrt(eps) is
+    # eta-sampling's own setting (Hewitt et al. 2022); Medusa's typical acceptance is eps 0.09
+    eps: float = 3e-4
+    delta: float | None = None
     lam: float = 0.5  # cos and overshoot: weight of p in the mixture lam * p + (1 - lam) * q
     lenience: float = 0.5  # lenience: accept with min(1, p / (l * q)); l < 1 is more lenient
     ceiling: float = 2.0  # overshoot: an overshot token (q > p) gets at most c * p(x)
@@ -137,12 +141,11 @@ def verify(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor, 
     p_n = p[rows, n]  # (B, V)
     if v.name == "greedy":
         return n, p_n.argmax(-1)
+    if v.family == "truncation":  # correction and bonus alike: p restricted to the allowed set
+        truncated = p_n * allowed_set(p_n, v)
+        return n, torch.multinomial(truncated / truncated.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
     rejected = (n < k)[:, None]
-    if v.family == "truncation" and k > 0:
-        allowed = allowed_set(p_n, v)
-        fix = p_n * allowed
-        fix = fix / fix.sum(-1, keepdim=True)
-    elif k > 0:
+    if k > 0:
         n_clamped = n.clamp(max=k - 1)
         if q is None:  # deterministic draft: q is one-hot at the drafted token
             q_n = torch.zeros_like(p_n).scatter_(-1, draft_tokens[rows, n_clamped][:, None], 1.0)

@@ -26,7 +26,7 @@ def eagle3_net(target, draft_vocab=60, seed=0):
     t = target.args
     args = M.ModelArgs(model_type="llama", vocab_size=t.vocab_size, dim=t.dim, n_layer=1, n_head=t.n_head,
                        n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size)
-    net = Eagle3(args, t.dim, draft_vocab)
+    net = Eagle3(args, t.dim, draft_vocab, eagle3_target_layers(t.n_layer))
     ids = torch.randperm(t.vocab_size)[:draft_vocab].sort().values
     net.d2t.copy_(ids - torch.arange(draft_vocab))
     net.t2d.zero_()
@@ -87,7 +87,7 @@ def test_eagle3_training_forward_equals_inference_chain(target):
     seq = torch.randint(0, 97, (14,)).tolist()
     t, K = 6, 5  # draft from base position t: the prompt is seq[:t+2]
     g = torch.Generator().manual_seed(0)
-    drafter = Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, 128, temperature=1.0, generator=g)
+    drafter = Eagle3Drafter(net, target.embed_tokens, 128, temperature=1.0, generator=g)
     prompt = seq[:t + 2]
     drafter.start(prompt, features(target, torch.tensor([prompt[:-1]]), layers)[0])
     tokens, q = drafter.propose(K)
@@ -130,7 +130,7 @@ def test_baseline_objective_is_the_plain_loss():
     N, K, V = 6, 4, 11
     draft, tgt = torch.randn(N, K, V), F.log_softmax(torch.randn(N, K, V), -1)
     valid = torch.rand(N, K) > 0.2
-    args = argparse.Namespace(draft="eagle3", objective="baseline", vat_label="greedy", beta=1.0)
+    args = argparse.Namespace(draft="eagle3", objective="baseline", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0)
     loss, _ = TV.objective(draft, torch.zeros(N, K), tgt, valid, args, native="soft")
     soft = -(tgt.exp() * F.log_softmax(draft, -1)).sum(-1) * valid
     assert torch.allclose(loss, (0.8 ** torch.arange(K) * soft).sum() / N)
@@ -145,7 +145,7 @@ def test_vat_objective_on_hand_made_logits():
     tgt = F.log_softmax(torch.tensor([[[2.0, 0], [2.0, 0], [2.0, 0]]]), -1)
     draft = torch.tensor([[[1.0, 0], [0, 1.0], [1.0, 0]]])
     head = torch.tensor([[3.0, -3.0, 0.0]])
-    args = argparse.Namespace(draft="eagle3", objective="vat", vat_label="greedy", beta=1.0)
+    args = argparse.Namespace(draft="eagle3", objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0)
     loss, stats = TV.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), args, native="soft")
     ce = -(tgt.exp() * F.log_softmax(draft, -1)).sum(-1) - F.log_softmax(draft, -1)[..., 0]
     weights = torch.tensor([1.0, 1.0, 0.8])  # 1 before k*, then the decay restarts at k*
@@ -161,8 +161,8 @@ def tiny_training(target, objective, steps, seed=0):
     data = []
     for p in prompts:
         out = generate(target, p, max_new_tokens=26)["tokens"]
-        data.append((p + out, len(p)))
-    args = argparse.Namespace(draft="eagle3", objective=objective, vat_label="greedy", beta=1.0, ttt_steps=4,
+        data.append((p + out, len(p), "prompt"))
+    args = argparse.Namespace(draft="eagle3", objective=objective, vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0, ttt_steps=4,
                               layers=eagle3_target_layers(target.args.n_layer))
     net = eagle3_net(target, draft_vocab=97).train()
     net.d2t.zero_()
@@ -191,11 +191,11 @@ def test_tiny_training_raises_simulated_tau_and_decodes_exactly(tiny_dir):
     # greedy speculative decoding with the trained draft is plain greedy decoding, with tau > 1
     prompt = prompts[0]
     plain = generate(target, prompt, max_new_tokens=30)
-    drafter = Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, 128)
+    drafter = Eagle3Drafter(net, target.embed_tokens, 128)
     spec = generate(target, prompt, drafter, Verifier("greedy"), k=4, max_new_tokens=30)
     assert spec["tokens"] == plain["tokens"] and spec["tau"] > 1.2
     # early exit at a threshold no head reaches drafts nothing and still decodes exactly
-    never = Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, 128, early_exit=1.01)
+    never = Eagle3Drafter(net, target.embed_tokens, 128, early_exit=1.01)
     out = generate(target, prompt, never, Verifier("greedy"), k=4, max_new_tokens=30)
     assert out["tokens"] == plain["tokens"] and out["tau"] == 1.0
     assert out["drafted_tokens"] == 0 and out["early_exit_saved"] == sum(min(4, 30 - i - 1) for i in range(30))
@@ -247,7 +247,7 @@ def test_eagle3_release_layout_round_trips(target, tmp_path, fmt):
     feats = features(target, torch.tensor([prompt[:-1]]), layers)[0]
     outs = []
     for net in (original, loaded, again):
-        d = Eagle3Drafter(net, target.embed_tokens, target.args.n_layer, 128, temperature=1.0,
+        d = Eagle3Drafter(net, target.embed_tokens, 128, temperature=1.0,
                           generator=torch.Generator().manual_seed(0))
         d.start(prompt, feats)
         outs.append(d.propose(4))
@@ -334,7 +334,7 @@ def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, 
             M.pack_for_cpu(target)
         target.setup_caches(2, 40)
         net = (eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=4)).train()
-        args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", beta=1.0, ttt_steps=3,
+        args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0, ttt_steps=3,
                                   blocks_per_seq=2, layers=eagle3_target_layers(target.args.n_layer) if kind == "eagle3"
                                   else tuple(i + 1 for i in net.target_layer_ids))
         torch.manual_seed(0)  # the same tokens and DFlash anchors both times
@@ -357,12 +357,12 @@ def test_offline_feature_cache_gives_the_on_the_fly_loss(tiny_dir, tmp_path, kin
     target = M.load_model(tiny_dir("qwen3_untied"))
     target.setup_caches(3, 40)
     net = eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=4)
-    args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", beta=1.0, ttt_steps=3, blocks_per_seq=2,
+    args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0, ttt_steps=3, blocks_per_seq=2,
                               layers=eagle3_target_layers(target.args.n_layer) if kind == "eagle3"
                               else tuple(i + 1 for i in net.target_layer_ids),
                               target="tiny", seq_len=32, batch_size=3, cache_dir=str(tmp_path))
     torch.manual_seed(0)
-    data = [(torch.randint(0, 96, (n,)).tolist(), 4) for n in (20, 28, 36, 12, 25)]
+    data = [(torch.randint(0, 96, (n,)).tolist(), 4, "prompt") for n in (20, 28, 36, 12, 25)]
     cache = TV.feature_cache(target, data, args)
     assert len(list(tmp_path.glob("features-*.pt"))) == 1 and TV.feature_cache(target, data, args)[0][0].dtype == torch.bfloat16
     tokens, mask, feats, final = next(TV.batches(data, 3, 32, random.Random(0), cache))
