@@ -8,7 +8,7 @@ drift cancels in the ratios: every speedup is the median over prompts of (tokens
 (tokens/s of the plain baseline on the same prompt), with its interquartile range.
 
 Quality runs sweep each lossy verifier's parameter on GSM8K (exact match) and HumanEval (pass@1,
-the generated code run in a subprocess with a timeout and no network), next to lossless and plain
+the generated code run in sandbox.py's isolation: no network, no writes outside its directory), next to lossless and plain
 sampling, each with a 95% Wilson interval so a real drop can be told from noise.
 
     python bench.py --quick                                      # smoke test (CI runs it)
@@ -27,7 +27,6 @@ import os
 import platform
 import re
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -40,12 +39,12 @@ from tqdm import tqdm
 
 import model as M
 from decode import (DEFAULT_DRAFTS, build_draft, compile_step, default_device, generate, load_target,
-                    prompt_text, wants_compile)
+                    prompt_text, repo_path, wants_compile)
+from sandbox import SandboxError, check as check_sandbox, run_untrusted
 from verify import VERIFIERS, Verifier
 
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
-SPEC_BENCH = DATA / "spec_bench_questions.jsonl"
 
 # the quality sweep: each lossy verifier's parameter, from near-lossless to lenient
 SWEEP = [("lossless", {})] + \
@@ -106,7 +105,8 @@ def humaneval_problems(limit: int) -> list:
 
 
 def humaneval_passes(problem: dict, response: str, timeout: float = 10.0) -> bool:
-    """Run the answer against the problem's tests in a fresh interpreter, without network."""
+    """Run the answer against the problem's tests in the sandbox (sandbox.py: no network, no writes
+    outside its own directory, limited memory, processes and time)."""
     blocks = re.findall(r"```(?:python)?\n(.*?)(?:```|$)", response, re.S)
     code = blocks[0] if blocks else response
     if f"def {problem['entry_point']}" not in code:  # a body only: complete the given signature
@@ -114,16 +114,7 @@ def humaneval_passes(problem: dict, response: str, timeout: float = 10.0) -> boo
     else:  # keep the prompt's imports and helpers in front of the whole function
         code = problem["code"].split(f"def {problem['entry_point']}")[0] + code
     program = f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "prog.py").write_text(program)
-        cmd = [sys.executable, "-I", "prog.py"]
-        if shutil.which("unshare") and os.geteuid() == 0:
-            cmd = ["unshare", "--net"] + cmd  # a private network namespace: no network at all
-        try:
-            r = subprocess.run(cmd, cwd=d, capture_output=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return False
-    return r.returncode == 0
+    return run_untrusted(program, timeout=timeout).returncode == 0
 
 
 def wilson(successes: int, n: int, z: float = 1.96):
@@ -238,7 +229,7 @@ def speed_runs(args, target, tokenizer, dtype, generator):
                          temperature, 1.0, stop_ids, generator, step_fn=args.step_fn)
         return {**r, "peak_memory_mb": peak_memory_mb(args.device)}
 
-    prompts = load_prompts(Path(args.prompt_file), args.categories, args.limit)
+    prompts = load_prompts(repo_path(args.prompt_file), args.categories, args.limit)
     encoded = [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
     for _, ids in encoded[:args.warmup]:
         for name in runs:
@@ -484,7 +475,7 @@ def get_args(argv=None):
                     "greedy runs only at T=0, where lossless (the same rule there) is left out if greedy is in")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=7, help="tokens drafted per target forward")
-    ap.add_argument("--prompt-file", default=str(SPEC_BENCH), help="Spec-Bench-style jsonl (or any supported jsonl)")
+    ap.add_argument("--prompt-file", default="data/spec_bench_questions.jsonl", help="Spec-Bench-style jsonl (or any supported jsonl)")
     ap.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories; all when omitted")
     ap.add_argument("--limit", type=int, default=3, help="prompts per category")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per speed-run prompt, at most")
@@ -532,7 +523,59 @@ def get_args(argv=None):
     args.quality_draft = args.quality_draft or (args.drafts[0] if args.drafts else "lookup")
     for name in args.verifiers:
         Verifier(name)  # unknown names fail before anything loads
+    if not args.speed_off and not repo_path(args.prompt_file).is_file():
+        ap.error(f"prompt file not found: {args.prompt_file}")
+    args.out = Path(args.out or ROOT / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    problem = unwritable(args.out)
+    if problem:
+        ap.error(f"cannot write --out {args.out}: {problem}")
+    if "humaneval" in args.quality:
+        try:
+            check_sandbox()
+        except SandboxError as e:
+            ap.error(str(e))
     return args
+
+
+def unwritable(path: Path) -> str | None:
+    """Why results could not be written to `path`, checked before the hours of work; None if they can."""
+    if path.is_dir():
+        return "it is a directory"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".probe-"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def write_results(out: Path, result: dict) -> Path:
+    """Write the results atomically; if that fails now (disk full, folder gone), keep them in the
+    temporary directory and say where, rather than lose hours of measurements."""
+    text = json.dumps(result, indent=1, default=str)
+    try:
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(out)  # never a half-written results file
+        return out
+    except OSError as e:
+        fallback = Path(tempfile.gettempdir()) / f"vat-bench-{os.getpid()}-{out.name}"
+        fallback.write_text(text)
+        print(f"warning: could not write {out} ({e.strerror or e}); results saved to {fallback}", file=sys.stderr)
+        return fallback
+
+
+def shown(value):
+    """Paths inside the repository as relative ones, so results files name no machine's folders."""
+    if isinstance(value, (str, Path)) and Path(value).is_absolute():
+        try:
+            return str(Path(value).resolve().relative_to(ROOT))
+        except ValueError:
+            return str(value)
+    if isinstance(value, list):
+        return [shown(v) for v in value]
+    return value
 
 
 def main(argv=None):
@@ -585,19 +628,17 @@ def main(argv=None):
                   + " |")
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    out = Path(args.out or ROOT / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out
     images = plots(summary, quality, out.parent, out.stem)
+    config = {k: shown(v) for k, v in vars(args).items() if k != "step_fn"}
     result = {
-        "config": {**vars(args), "git_commit": commit,
+        "config": {**config, "git_commit": commit or "unknown",
                    "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
                    "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version()},
-        "speed": summary, "quality": quality, "decode_table": table, "plots": [str(p) for p in images],
+        "speed": summary, "quality": quality, "decode_table": table, "plots": [shown(p) for p in images],
         "runs": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for name, rs in records.items()},
     }
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str))
-    tmp.replace(out)  # never a half-written results file
+    out = write_results(out, result)
     speedups = {n: s["speedup_median"] for n, s in summary.items() if not n.startswith(("baseline", "transformers"))}
     best = max(speedups, key=speedups.get) if speedups else None
     print(json.dumps({"results": str(out), "best": best, "best_speedup": speedups.get(best),

@@ -26,6 +26,9 @@ from draft import DFlashDrafter, Eagle3Drafter, LookupDraft, ModelDraft, draft_k
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
 
 
+ROOT = Path(__file__).resolve().parent
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -165,6 +168,13 @@ def prompt_text(record: dict) -> str:
     raise ValueError(f"cannot find a prompt in a record with keys {sorted(record)}")
 
 
+def repo_path(path) -> Path:
+    """A path as given, or relative to the repository when it is not found from here (so the
+    default data/... paths work from any working directory)."""
+    path = Path(path)
+    return path if path.exists() or path.is_absolute() else ROOT / path
+
+
 def read_prompts(path) -> list:
     """The prompts of a text file (the whole file is one) or a jsonl (one per record)."""
     path = Path(path)
@@ -197,7 +207,7 @@ def check_prompt(text, where: str) -> str:
 
 
 EARLY_EXIT_DEFAULTS = {"eagle3": 0.5, "dflash": 0.6}  # the VAT paper's thresholds
-DEFAULT_DRAFTS = {M.DEFAULT_TARGET: Path(__file__).resolve().parent / "drafts" / "smollm2-135m-eagle3-vat"}
+DEFAULT_DRAFTS = {M.DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-vat"}
 
 
 def build_draft(spec: str, target, tokenizer, args, device, dtype, generator):
