@@ -347,7 +347,9 @@ def summary_line(result: dict, args, speculative: bool) -> str:
 
 def main(argv=None):
     args = get_args(argv)
-    verifier = make_verifier(args)  # bad parameters fail before any weights load
+    verifier = make_verifier(args)  # bad parameters and prompts fail before any weights load
+    prompts = read_prompts(repo_path(args.prompt_file)) if args.prompt_file else \
+        [args.prompt if args.prompt is not None else "Explain in three sentences why the sky is blue."]
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     compiled = wants_compile(args.compile, args.device)
     target, tokenizer = load_target(args.target, args.device, dtype, args.max_seq_len, args.pack and not compiled)
@@ -357,8 +359,6 @@ def main(argv=None):
         draft = build_draft(args.draft, target, tokenizer, args, args.device, dtype, generator)
     step_fn = compile_step(target) if compiled else target
 
-    prompts = read_prompts(args.prompt_file) if args.prompt_file else \
-        [args.prompt if args.prompt is not None else "Explain in three sentences why the sky is blue."]
     for text in prompts:
         if args.raw:
             ids = tokenizer.encode(text)

@@ -124,7 +124,7 @@ def test_default_target_prompt_lookup(smollm2_dir):
     r = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--prompt", prompt, "--max-new-tokens", "48",
                         "--json", "--verifier", "none"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     s = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--prompt", prompt, "--max-new-tokens", "48",
-                        "--json", "--draft", "lookup", "--verifier", "greedy", "-k", "6"],
+                        "--json", "-k", "6"],  # the default: prompt lookup with greedy verification at T = 0
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0 and s.returncode == 0, r.stderr + s.stderr
     plain, spec = json.loads(r.stdout.splitlines()[-1]), json.loads(s.stdout.splitlines()[-1])
@@ -132,6 +132,50 @@ def test_default_target_prompt_lookup(smollm2_dir):
     assert plain["tau"] == 1.0 and spec["tau"] > 1.0
     assert spec["target_forwards"] < plain["target_forwards"]
     assert spec["text"] in s.stdout  # the streamed text is the final text
+    assert (spec["draft"], spec["verifier"], spec["temperature"]) == ("lookup", "greedy", 0.0)
+    # every answer ends with what speculation did, on stderr
+    summary = s.stderr.strip().splitlines()[-1]
+    assert summary.startswith("[lookup draft, greedy verifier, k=6, T=0]")
+    assert f"{spec['new_tokens']} tokens" in summary and f"tau {spec['tau']:.2f}" in summary
+    assert f"{spec['target_forwards']} target forwards" in summary and f"{spec['drafted_tokens']} drafted" in summary
+    assert r.stderr.strip().splitlines()[-1].startswith(f"[plain decoding, T=0] {plain['new_tokens']} tokens")
+
+
+def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
+    from decode import DEFAULT_DRAFTS, get_args
+    a = get_args([])
+    assert (a.draft, a.verifier, a.temperature) == ("lookup", "greedy", 0.0)  # the fastest measured at T = 0
+    a = get_args(["--temperature", "1"])
+    assert (a.draft, a.verifier) == (None, "none")  # lookup measured slower than plain at T = 1
+    assert capsys.readouterr().err == ""
+    a = get_args(["--verifier", "overshoot"])
+    assert a.temperature == 1.0 and a.draft == str(DEFAULT_DRAFTS[M.DEFAULT_TARGET])
+    assert "--temperature defaults to 1" in capsys.readouterr().err
+    a = get_args(["--verifier", "minp", "--temperature", "0", "--draft", "lookup"])
+    assert a.temperature == 0.0 and "is greedy verification" in capsys.readouterr().err
+    assert get_args(["--draft", "lookup", "--temperature", "0.7"]).verifier == "lossless"
+
+
+@pytest.mark.parametrize("argv,content,message", [
+    (["--prompt", ""], None, "--prompt is empty"),
+    (["--prompt", "   "], None, "--prompt is empty"),
+    (["--temperature", "nan"], None, "--temperature must be a finite number"),
+    (["--lam", "inf", "--verifier", "cos"], None, "--lam must be a finite number"),
+    (["--prompt-file", "{file}"], "", "holds no prompt"),
+    (["--prompt-file", "{file}.txt"], "", "is empty"),
+    (["--prompt-file", "{file}"], '{"question": null}\n', "line 1: the prompt is None"),
+    (["--prompt-file", "{file}"], '{"question": "fine"}\n{"turns": [""]}\n', "line 2: the prompt is empty"),
+    (["--prompt-file", "{file}"], "not json\n", "line 1 is not valid JSON"),
+])
+def test_bad_prompts_fail_in_one_line_before_loading(tmp_path, argv, content, message):
+    path = tmp_path / "prompts.jsonl"
+    if content is not None:
+        path.write_text(content)
+        path.with_suffix(".jsonl.txt").write_text(content)
+    r = subprocess.run([sys.executable, str(ROOT / "decode.py"), *[a.format(file=path) for a in argv]],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0 and message in r.stderr.strip().splitlines()[-1], r.stderr
+    assert r.stdout == ""
 
 
 @pytest.mark.slow  # ~1 min of inductor compiles

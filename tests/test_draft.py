@@ -396,3 +396,96 @@ def test_train_vat_under_torchrun_ddp(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["steps"] == 3
     assert load_draft(tmp_path / "run" / "checkpoint", M.load_model(tmp_path / "target"))[0] == "eagle3"
+
+
+# -----------------------------------------------------------------------------
+# Released checkpoints: load exactly what they say, or refuse
+
+def edit_checkpoint(path, config_edit=None, tensors_edit=None):
+    from safetensors.torch import load_file, save_file
+    if config_edit:
+        cfg = json.loads((path / "config.json").read_text())
+        config_edit(cfg)
+        (path / "config.json").write_text(json.dumps(cfg))
+    if tensors_edit:
+        sd = load_file(str(path / "model.safetensors"))
+        tensors_edit(sd)
+        save_file(sd, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(tensors=lambda sd: sd.update({"fc_norm.weight": torch.ones(32)})), "holds tensor fc_norm.weight"),
+    (dict(tensors=lambda sd: sd.update({"fc.bias": torch.zeros(32)})), "holds tensor fc.bias"),
+    (dict(tensors=lambda sd: sd.update({"layers.1.mlp.down_proj.weight": torch.zeros(4, 4)})), "holds tensor layers.1"),
+    (dict(config=lambda c: c.update(fc_norm=True)), "sets fc_norm=true"),
+    (dict(config=lambda c: c.update(norm_output=False)), "sets norm_output=false"),
+    (dict(config=lambda c: c.update(num_hidden_layers=2)), "2 decoder layers"),
+    (dict(config=lambda c: c.update(hidden_act="gelu")), "hidden_act='gelu'"),
+    (dict(config=lambda c: c.update(target_hidden_size=128)), "hidden size 128"),
+    (dict(config=lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 9]})),
+     "reads target hidden states [1, 2, 10]"),
+])
+def test_eagle3_checkpoint_that_would_run_wrong_is_refused(target, tmp_path, change, message):
+    path = tmp_path / "released"
+    released_eagle3(path, target, "safetensors")
+    edit_checkpoint(path, change.get("config"), change.get("tensors"))
+    with pytest.raises(M.CheckpointError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_draft(path, target)
+
+
+@pytest.mark.parametrize("where", ["eagle_config", "top"])
+def test_eagle3_reads_the_layer_ids_its_config_names(target, tmp_path, where):
+    path = tmp_path / "released"
+    net = released_eagle3(path, target, "safetensors")
+    ids = [0, 1, 2]  # outputs of layers 0..2, i.e. hidden[1..3]; the default would be (2, 1, 0)
+    edit_checkpoint(path, lambda c: c.update({"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}} if
+                                             where == "eagle_config" else {"eagle_aux_hidden_state_layer_ids": ids}))
+    _, loaded = load_draft(path, target)
+    assert loaded.target_layers == (1, 2, 3) != net.target_layers
+    drafter = Eagle3Drafter(loaded, target.embed_tokens, 128)
+    assert drafter.target_layers == (1, 2, 3)
+    prompt = [5, 6, 7, 8, 9]
+    plain = generate(target, prompt, max_new_tokens=12)
+    assert generate(target, prompt, drafter, Verifier("greedy"), k=3, max_new_tokens=12)["tokens"] == plain["tokens"]
+    save_draft(loaded, tmp_path / "again", target.args, dtype=torch.float32)  # and it is written back
+    assert load_draft(tmp_path / "again", target)[1].target_layers == (1, 2, 3)
+
+
+def test_dflash_settings_at_the_top_level_and_a_missing_mask_id(target, tmp_path):
+    net = dflash_net(target)
+    path = tmp_path / "dflash"
+    save_draft(net, path, target.args, dtype=torch.float32)
+
+    def to_top(c):
+        dc = c.pop("dflash_config")
+        c.update(target_layer_ids=[0, 1], mask_token_id=dc["mask_token_id"] - 1)
+    edit_checkpoint(path, to_top)
+    _, loaded = load_draft(path, target)
+    assert loaded.target_layer_ids == [0, 1] != net.target_layer_ids
+    assert loaded.mask_token_id == net.mask_token_id - 1
+    edit_checkpoint(path, lambda c: c.pop("mask_token_id"))
+    with pytest.raises(M.CheckpointError, match="names no mask_token_id"):
+        load_draft(path, target)
+    edit_checkpoint(path, lambda c: c.update(mask_token_id=3, causal=True))
+    with pytest.raises(M.CheckpointError, match="sets causal=true"):
+        load_draft(path, target)
+    edit_checkpoint(path, lambda c: c.update(causal=False, num_target_layers=12))
+    with pytest.raises(M.CheckpointError, match="trained on a target of 12 layers"):
+        load_draft(path, target)
+
+
+def test_eagle3_drafts_from_a_one_token_prompt(target):
+    net = eagle3_net(target)
+    plain = generate(target, [11], max_new_tokens=10)
+    drafter = Eagle3Drafter(net, target.embed_tokens, 128)
+    out = generate(target, [11], drafter, Verifier("greedy"), k=3, max_new_tokens=10)
+    assert out["tokens"] == plain["tokens"] and out["drafted_tokens"] > 0
+
+
+def test_dflash_block_cap_is_not_counted_as_early_exit(target):
+    net = dflash_net(target, block=4)  # at most 3 tokens a block
+    drafter = DFlashDrafter(net, target.embed_tokens, target.lm_head, 128)
+    out = generate(target, [7, 7, 2, 9, 4], drafter, Verifier("greedy"), k=6, max_new_tokens=20)
+    # k = 6 asks for more than a block holds: the 3 it cannot draft are not positions an early exit saved
+    assert out["early_exit_saved"] == 0
+    assert 0 < out["drafted_tokens"] <= 3 * out["target_forwards"]

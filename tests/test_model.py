@@ -1,5 +1,6 @@
 """model.py against transformers: logits, hidden-state indices, KV cache, loading errors."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,34 @@ def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_gguf_conversion_cleans_up_after_killed_ones(tmp_path):
+    out = tmp_path / "smol"
+    dead = tmp_path / ".tmp-999999999-abc"  # no such process: a conversion killed halfway
+    live = tmp_path / f".tmp-{os.getppid()}-def"  # a conversion still running elsewhere
+    for d in (dead, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    out.mkdir()  # a cache folder without weights, which used to block every later run
+    (out / "config.json").write_text("{}")
+    assert M.convert_embedded_smollm2(out) == out and (out / "model.safetensors").is_file()
+    assert not dead.exists() and live.exists()
+    assert M.load_model(out).args.n_layer == 30
+
+
+def test_rms_norm_computes_in_fp32_like_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    torch.manual_seed(0)
+    ref, ours_norm = LlamaRMSNorm(64, eps=1e-5), M.RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(1 + torch.randn(64))
+        ours_norm.weight.copy_(ref.weight)
+    x = (torch.randn(3, 7, 64) * 40).to(torch.bfloat16)
+    ref, ours_norm = ref.to(torch.bfloat16), ours_norm.to(torch.bfloat16)
+    assert torch.equal(ours_norm(x), ref(x))  # bit for bit in bf16
+    x32 = torch.randn(2, 64)
+    assert torch.allclose(ours_norm.float()(x32), ref.float()(x32), atol=1e-6)
+
+
 def test_unpermute_inverts_llama_cpp_permutation():
     n_head, rows, cols = 3, 12, 5
     w = torch.randn(rows, cols).numpy()
@@ -138,6 +167,15 @@ def broken_copy(tiny_dir, tmp_path, how):
         cfg = json.loads((dst / "config.json").read_text())
         cfg["model_type"], cfg["architectures"] = "gpt2", ["GPT2LMHeadModel"]
         (dst / "config.json").write_text(json.dumps(cfg))
+    elif how in ("fewer_layers", "missing_field", "mistyped_field"):
+        cfg = json.loads((dst / "config.json").read_text())
+        if how == "fewer_layers":  # the weights hold 3 layers
+            cfg["num_hidden_layers"] = 2
+        elif how == "missing_field":
+            del cfg["intermediate_size"]
+        else:
+            cfg["hidden_size"] = "64"
+        (dst / "config.json").write_text(json.dumps(cfg))
     elif how == "corrupt":
         shard = next(dst.glob("model-00001-*.safetensors"))
         shard.write_bytes(shard.read_bytes()[:1000])
@@ -147,7 +185,10 @@ def broken_copy(tiny_dir, tmp_path, how):
 @pytest.mark.parametrize("how,message", [("missing_shard", "missing shard model-00002"),
                                          ("wrong_shape", "has shape"),
                                          ("unsupported", "unsupported architecture 'gpt2'"),
-                                         ("corrupt", "corrupt safetensors file")])
+                                         ("corrupt", "corrupt safetensors file"),
+                                         ("fewer_layers", "holds tensor layers.2."),
+                                         ("missing_field", "config.json lacks 'intermediate_size'"),
+                                         ("mistyped_field", "'hidden_size' must be a positive integer, not '64'")])
 def test_bad_checkpoints_fail_in_one_line(tiny_dir, tmp_path, how, message):
     r = run_decode("--target", str(broken_copy(tiny_dir, tmp_path, how)))
     assert r.returncode != 0

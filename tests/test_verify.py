@@ -154,3 +154,23 @@ def test_out_of_range_parameters(bad, match):
 
 def test_every_verifier_is_covered():
     assert {v.name for v in SETTINGS} == set(VERIFIERS)
+
+
+@pytest.mark.parametrize("v", [Verifier("minp", p_base=0.3), Verifier("eta", eps=0.2)])
+def test_truncation_output_never_leaves_the_allowed_set_bonus_included(v):
+    from verify import allowed_set
+    p = torch.softmax(2.0 * torch.randn(2, V, generator=torch.Generator().manual_seed(3)), -1)
+    k, n_blocks = 1, 20_000
+    drafted = p[0].argmax().expand(n_blocks, 1)  # always allowed, so every block reaches the bonus
+    n, bonus = verify(p.expand(n_blocks, 2, V), None, drafted, v, torch.Generator().manual_seed(0))
+    assert (n == k).all()
+    allowed = allowed_set(p[1], v)
+    assert allowed.sum() < V and allowed[bonus].all()  # some tokens are outside, and none is drawn
+    # and inside the set the bonus follows p restricted to it
+    expected = p[1] * allowed / (p[1] * allowed).sum()
+    empirical = torch.bincount(bonus, minlength=V).double() / n_blocks
+    assert torch.allclose(empirical, expected.double(), atol=5 * (0.25 / n_blocks) ** 0.5)
+
+
+def test_eta_default_is_eta_samplings_setting():
+    assert Verifier("eta").eps == 3e-4 and Verifier("eta").delta is None  # delta = sqrt(eps) at use
