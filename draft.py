@@ -531,6 +531,7 @@ def save_draft(net, path, target_args: M.ModelArgs, extra_config: dict | None = 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would keep the draft from other users
     try:
         write_draft_files(net, tmp, target_args, extra_config, dtype)
         replace_directory(tmp, path)

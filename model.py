@@ -577,6 +577,7 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
     }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=out_dir.parent))
+    tmp.chmod(0o755)
     try:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

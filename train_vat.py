@@ -520,10 +520,12 @@ def get_args(argv=None):
     for path in files:
         if not repo_path(path).is_file():
             ap.error(f"prompt file not found: {path}")
-    args.out = Path(args.out or ROOT / "runs" / f"{args.target.replace('/', '_')}-{args.draft}-{args.objective}"
-                    + ("-quick" if args.quick else ""))
+    name = f"{args.target.replace('/', '_')}-{args.draft}-{args.objective}" + ("-quick" if args.quick else "")
+    args.out = Path(args.out or ROOT / "runs" / name)
     if args.out.exists() and not args.out.is_dir():
         ap.error(f"--out {args.out} is a file, not a directory")
+    if args.quick and not args.resume and args.out == ROOT / "runs" / name and args.out.is_dir():
+        shutil.rmtree(args.out)  # the smoke run's own folder: nothing in it is worth keeping
     if not args.resume and (checkpoint_dirs(args.out) or (args.out / "checkpoint").exists()):
         ap.error(f"{args.out} already holds checkpoints: pass --resume to continue them, or another --out")
     return args
@@ -700,6 +702,7 @@ KEEP_CHECKPOINTS = 2
 def save_checkpoint(out: Path, net, target_args, step: int, opt, rng: random.Random, log: list, vat_info: dict):
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-step-", dir=out))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would keep the checkpoint from other users
     try:
         write_draft_files(net, tmp, target_args, {"vat": {**vat_info, "step": step}}, dtype=torch.float32)
         version, internal, gauss = rng.getstate()

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random checkpoints written by transformers itself, and the default target."""
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +26,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+# sandbox.py runs model-written code under bubblewrap, a system package (.ci/run installs it)
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="bubblewrap is not installed: apt-get install bubblewrap")
 
 # the architectures the parity tests cover, each with the feature that sets it apart
 TINY = {

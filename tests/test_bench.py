@@ -11,6 +11,7 @@ import torch
 
 import bench
 import model as M
+from conftest import needs_bwrap
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,6 +54,7 @@ def test_gsm8k_grader():
     assert not bench.gsm8k_correct("no numbers here", "18")
 
 
+@needs_bwrap
 def test_humaneval_grader_runs_tests_in_the_sandbox():
     with gzip.open(bench.DATA / "HumanEval.jsonl.gz", "rt") as f:
         row = json.loads(f.readline())
@@ -106,6 +108,7 @@ def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, com
     assert row["params_b"] * 1e9 == pytest.approx(floats + (0 if tied else 320 * d))
 
 
+@needs_bwrap
 def test_quality_sweep_is_consistent(tmp_path):
     out = tmp_path / "quality.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--speed-off", "--quality", "gsm8k,humaneval",

@@ -315,6 +315,11 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     TV.main(common + ["--steps", "2"])
     cache = list((tmp_path / "cache").glob("responses-*.pt"))
     assert len(cache) == 1
+    # each sequence keeps its prompt's text, so held-out prompts are evaluated as written
+    target_tok = M.load_tokenizer(tmp_path / "target")
+    written = {f"question {i} about numbers" for i in range(10)}
+    for ids, start, text in torch.load(cache[0]):
+        assert text in written and ids[:start] == target_tok.encode_chat([{"role": "user", "content": text}])
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [s["step"] for s in log] == [1, 2] and "real_tau" in log[-1]
     TV.main(common + ["--steps", "4", "--resume"])  # continues at step 3, reusing the cached data

@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_bwrap
 from sandbox import run_untrusted
+
+pytestmark = needs_bwrap
 
 
 def test_a_plain_program_runs_and_reports():
