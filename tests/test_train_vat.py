@@ -117,6 +117,7 @@ class Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_tampered_training_state_is_refused_not_executed(tmp_path, capsys):
     target = small_target()
     for step in (2, 4):
