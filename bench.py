@@ -629,7 +629,11 @@ def main(argv=None):
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     out = args.out
-    images = plots(summary, quality, out.parent, out.stem)
+    try:
+        images = plots(summary, quality, out.parent, out.stem)
+    except OSError as e:  # the numbers matter more than the pictures: keep going to write them
+        print(f"warning: could not write the plots beside {out} ({e.strerror or e})", file=sys.stderr)
+        images = []
     config = {k: shown(v) for k, v in vars(args).items() if k != "step_fn"}
     result = {
         "config": {**config, "git_commit": commit or "unknown",

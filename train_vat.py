@@ -591,7 +591,6 @@ def main(argv=None):
     target.setup_caches(args.gen_batch, args.max_prompt_tokens + args.response_tokens + 8)
     M.pack_for_cpu(target)
     tokenizer = M.load_tokenizer(target_dir)
-    args.layers = eagle3_target_layers(target.args.n_layer) if args.draft == "eagle3" else None
 
     data = build_dataset(target, tokenizer, args)
     if args.prepare_only:
@@ -613,8 +612,8 @@ def main(argv=None):
             print(f"no complete checkpoint in {args.out}: starting fresh", file=sys.stderr)
         net, state, log = build_draft_net(args, target, data).to(device), None, []
     net.train()
-    if args.draft == "dflash":
-        args.layers = tuple(i + 1 for i in net.target_layer_ids)
+    # the target states the draft reads, in model.py's index convention (from its config on --resume)
+    args.layers = net.target_layers if args.draft == "eagle3" else tuple(i + 1 for i in net.target_layer_ids)
     # the target has a fixed batch cache for generation; training forwards need one of batch_size
     target.setup_caches(args.batch_size, args.seq_len + 8)
     draft_ids = net.draft_to_target() if args.draft == "eagle3" else None

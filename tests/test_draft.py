@@ -310,7 +310,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     common = ["--target", str(tmp_path / "target"), "--draft", kind, "--data", str(prompts), "--num-prompts", "10",
               "--response-tokens", "12", "--gen-batch", "4", "--batch-size", "2", "--seq-len", "32",
               "--eval-prompts", "2", "--eval-every", "2", "--save-every", "2", "--block-size", "4",
-              "--ttt-steps", "3", "--draft-vocab", "200", "--out", str(tmp_path / "run"),
+              "--ttt-steps", "3", "--draft-vocab", "200", "--warmup", "0", "--out", str(tmp_path / "run"),
               "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"] + (["--cache-features"] if kind == "dflash" else [])
     TV.main(common + ["--steps", "2"])
     cache = list((tmp_path / "cache").glob("responses-*.pt"))
