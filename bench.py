@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 import model as M
 from decode import (DEFAULT_DRAFTS, build_draft, compile_step, default_device, generate, load_target,
-                    prompt_text, repo_path, wants_compile)
+                    prompt_text, repo_path, repo_relative, wants_compile)
 from sandbox import SandboxError, check as check_sandbox, run_untrusted
 from verify import VERIFIERS, Verifier
 
@@ -568,11 +568,8 @@ def write_results(out: Path, result: dict) -> Path:
 
 def shown(value):
     """Paths inside the repository as relative ones, so results files name no machine's folders."""
-    if isinstance(value, (str, Path)) and Path(value).is_absolute():
-        try:
-            return str(Path(value).resolve().relative_to(ROOT))
-        except ValueError:
-            return str(value)
+    if isinstance(value, Path) or isinstance(value, str) and value.startswith("/"):
+        return repo_relative(value)
     if isinstance(value, list):
         return [shown(v) for v in value]
     return value

@@ -175,6 +175,12 @@ def repo_path(path) -> Path:
     return path if path.exists() or path.is_absolute() else ROOT / path
 
 
+def repo_relative(path) -> str:
+    """A path inside the repository as a relative one (what outputs and results files show)."""
+    p = Path(path)
+    return str(p.resolve().relative_to(ROOT)) if p.is_absolute() and p.resolve().is_relative_to(ROOT) else str(path)
+
+
 def read_prompts(path) -> list:
     """The prompts of a text file (the whole file is one) or a jsonl (one per record)."""
     path = Path(path)
@@ -335,7 +341,8 @@ def make_verifier(args) -> Verifier:
 
 def summary_line(result: dict, args, speculative: bool) -> str:
     """What speculation did for one answer, in one line for stderr."""
-    how = f"{args.draft} draft, {args.verifier} verifier, k={args.num_draft_tokens}" if speculative else "plain decoding"
+    how = f"{repo_relative(args.draft)} draft, {args.verifier} verifier, k={args.num_draft_tokens}" if speculative \
+        else "plain decoding"
     line = (f"[{how}, T={args.temperature:g}] {result['new_tokens']} tokens at {result['tokens_per_s']:.1f} tok/s, "
             f"{result['target_forwards']} target forwards")
     if speculative:
@@ -381,7 +388,7 @@ def main(argv=None):
         print(summary_line(result, args, draft is not None), file=sys.stderr)
         if args.json:
             result["text"] = tokenizer.decode([t for t in result["tokens"] if t not in stop_ids])
-            result.update(target=args.target, draft=args.draft if draft else None, verifier=args.verifier,
+            result.update(target=args.target, draft=repo_relative(args.draft) if draft else None, verifier=args.verifier,
                           k=args.num_draft_tokens if draft else 0, temperature=args.temperature)
             print(json.dumps(result))
 
