@@ -17,13 +17,15 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import model as M
-from draft import DFlashDrafter, Eagle3Drafter, LookupDraft, ModelDraft, draft_kind, load_draft
+from draft import DFlashDraft, Eagle3Draft, LookupDraft, ModelDraft, NoDraft, draft_kind, load_draft
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
+from tokenizer import load_tokenizer
 
 
 ROOT = Path(__file__).resolve().parent
@@ -52,102 +54,116 @@ def load_target(name_or_path: str, device: str, dtype: torch.dtype, max_seq_len:
     target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))
     if pack:
         M.pack_for_cpu(target)
-    return target, M.load_tokenizer(path)
+    return target, load_tokenizer(path)
+
+
+@dataclass
+class Stats:
+    """What one generation's speculation did: the counters behind tau and the speed tables."""
+    k: int
+    forwards: int = 0  # target forwards, one per step
+    drafted: int = 0  # tokens the draft proposed
+    declined: int = 0  # positions the draft chose not to propose (early exit, no lookup match)
+    draft_seconds: float = 0.0
+    drafted_at: list = field(default_factory=list)  # per draft position: blocks that drafted it
+    kept_at: list = field(default_factory=list)  # per draft position: blocks in which it was kept
+
+    def __post_init__(self):
+        self.drafted_at, self.kept_at = [0] * self.k, [0] * self.k
+
+    def count(self, asked: int, drafted: int, kept: int):
+        self.forwards += 1
+        self.drafted += drafted
+        self.declined += asked - drafted
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.kept_at[i] += i < kept
+
+
+def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, stats: Stats, device,
+                     temperature: float = 0.0, top_p: float = 1.0, generator=None):
+    """The algorithm: the draft guesses k tokens; one target forward scores the last committed
+    token and the k guesses at positions [L-1, L+k-1]; the verifier keeps n guesses and adds one
+    token of its own. Returns the n + 1 new tokens, n, and the target's hidden states there."""
+    t0 = time.perf_counter()
+    guesses, q = draft.propose(k) if k > 0 else (torch.tensor([], dtype=torch.long), None)
+    synchronize(device)
+    stats.draft_seconds += time.perf_counter() - t0
+    x = torch.cat([torch.tensor([seq[-1]]), guesses.cpu()]).to(device)[None]  # (1, n_guesses + 1)
+    positions = torch.arange(len(seq) - 1, len(seq) + len(guesses), device=device)
+    logits, hidden = step_fn(x, positions, hidden_layers=draft.target_layers)
+    p = probs_from_logits(logits[0], temperature, top_p)  # (n_guesses + 1, V)
+    n, next_token = verify(p[None], None if q is None else q.to(device)[None], guesses.to(device)[None],
+                           verifier, generator)
+    n = int(n)  # the one host sync of the step
+    stats.count(k, len(guesses), n)
+    return guesses[:n].tolist() + [int(next_token)], n, hidden
 
 
 @torch.no_grad()
 def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier("greedy"), k: int = 0,
              max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, stop_ids=(),
              generator: torch.Generator | None = None, on_tokens=None, step_fn=None) -> dict:
-    """Generate up to max_new_tokens tokens after prompt_ids. Returns the new ids and statistics:
-    tau (new tokens per target forward, bonus included), forwards, per-position acceptance."""
+    """Generate up to max_new_tokens tokens after prompt_ids, speculatively when a draft is given
+    (plain decoding is the case of no draft, k = 0). Returns the new ids and statistics: tau (new
+    tokens per target forward, bonus included), forwards, per-position acceptance."""
     step_fn = target if step_fn is None else step_fn  # (a compiled module has no truth value)
+    draft, k = (NoDraft(), 0) if draft is None else (draft, k)
     device = target.embed_tokens.weight.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     L = len(prompt_ids)
-    k = k if draft is not None else 0
-    need = L + max_new_tokens + k
     if L == 0:
         raise ValueError("empty prompt")
-    if need > target.max_seq_len:
-        raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + {k} drafted needs {need} positions; "
-                         f"the context holds {target.max_seq_len} (lower --max-new-tokens or raise --max-seq-len)")
-    layers = getattr(draft, "target_layers", ())  # EAGLE-3 / DFlash read the target's hidden states
+    if L + max_new_tokens + k > target.max_seq_len:
+        raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + {k} drafted needs "
+                         f"{L + max_new_tokens + k} positions; the context holds {target.max_seq_len} "
+                         f"(lower --max-new-tokens or raise --max-seq-len)")
     t_start = time.perf_counter()
-    draft_forwards_before = getattr(draft, "forwards", 0)
-    features = torch.zeros(0, len(layers) * target.args.dim, device=device)
-    if L > 1:  # everything but the last prompt token; each step starts by feeding that one
-        result = target(torch.tensor([prompt_ids[:-1]], device=device), torch.arange(L - 1, device=device),
-                        hidden_layers=layers, last_logits_only=True)
-        if layers:
-            features = torch.cat(result[1], -1)[0]  # (L-1, len(layers) * dim)
-    if layers:
-        draft.start(prompt_ids, features)
-    elif draft is not None:
-        draft.start(prompt_ids)
-    sync()
+    draft_forwards_before = draft.forwards
+    # prefill everything but the last prompt token: each step starts by feeding that one
+    _, hidden = target(torch.tensor([prompt_ids[:-1]], device=device), torch.arange(L - 1, device=device),
+                       hidden_layers=draft.target_layers, last_logits_only=True) if L > 1 else (None, [])
+    draft.start(prompt_ids, torch.cat(hidden, -1)[0] if hidden else None)  # (L-1, n_layers * dim)
+    synchronize(device)
     t_prefill = time.perf_counter() - t_start
-    seq, new = list(prompt_ids), []
-    forwards, draft_seconds = 0, 0.0
-    drafted, saved = 0, 0  # tokens drafted; positions the draft declined (early exit, no lookup match)
-    accepted_at = [0] * k  # blocks whose drafted token at position i was kept
-    drafted_at = [0] * k  # blocks that drafted a token at position i
-    stopped = False
-    while len(new) < max_new_tokens and not stopped:
+    seq, new, stats = list(prompt_ids), [], Stats(k)
+    while len(new) < max_new_tokens:
         # guesses past the token budget are wasted; a DFlash block holds at most block_size - 1
         budget = min(k, max_new_tokens - len(new) - 1, getattr(draft, "max_tokens", k))
-        tokens, q = torch.tensor([], dtype=torch.long), None
-        if budget > 0:
-            t0 = time.perf_counter()
-            tokens, q = draft.propose(budget)
-            sync()
-            draft_seconds += time.perf_counter() - t0
-        n_draft = len(tokens)
-        drafted += n_draft
-        saved += budget - n_draft
-        x = torch.cat([torch.tensor([seq[-1]]), tokens.cpu()]).to(device)[None]  # (1, n_draft+1)
-        result = step_fn(x, torch.arange(len(seq) - 1, len(seq) + n_draft, device=device), hidden_layers=layers)
-        logits, hidden = result if layers else (result, None)
-        forwards += 1
-        p = probs_from_logits(logits[0], temperature, top_p)  # (n_draft+1, V)
-        n, next_token = verify(p[None], None if q is None else q.to(device)[None], tokens.to(device)[None],
-                               verifier, generator)
-        n = int(n)  # the one host sync of the step
-        out = tokens[:n].tolist() + [int(next_token)]
-        for i in range(n_draft):
-            drafted_at[i] += 1
-            accepted_at[i] += i < n
-        for j, t in enumerate(out):
-            if t in stop_ids:  # a stop token inside an accepted block ends generation there
-                out, stopped = out[:j + 1], True
-                break
-        out = out[:max_new_tokens - len(new)]
+        out, n, hidden = speculative_step(step_fn, seq, draft, budget, verifier, stats, device,
+                                          temperature=temperature, top_p=top_p, generator=generator)
+        stop = next((j for j, t in enumerate(out) if t in stop_ids), None)  # a stop token ends generation there
+        out = out[:min(len(out) if stop is None else stop + 1, max_new_tokens - len(new))]
         seq += out
         new += out
         if on_tokens is not None:
             on_tokens(out)
-        if draft is not None and not stopped and len(new) < max_new_tokens:
-            if layers:  # the states of the committed positions: the fed token and the n kept
-                draft.commit(out, n, torch.cat(hidden, -1)[0, :n + 1])
-            else:
-                draft.commit(out, n)
-    sync()
+        if stop is not None or len(new) >= max_new_tokens:
+            break
+        # the target's states at the committed positions: the token fed and the n kept
+        draft.commit(out, n, torch.cat(hidden, -1)[0, :n + 1] if hidden else None)
+    synchronize(device)
     seconds = time.perf_counter() - t_start
     return {
         "tokens": new,
         "new_tokens": len(new),
         "seconds": seconds,
         "prefill_seconds": t_prefill,
-        "draft_seconds": draft_seconds,
+        "draft_seconds": stats.draft_seconds,
         "tokens_per_s": len(new) / max(seconds - t_prefill, 1e-9),
-        "target_forwards": forwards,
-        "draft_forwards": getattr(draft, "forwards", 0) - draft_forwards_before,
-        "drafted_tokens": drafted,
-        "early_exit_saved": saved,
-        "tau": len(new) / max(forwards, 1),
+        "target_forwards": stats.forwards,
+        "draft_forwards": draft.forwards - draft_forwards_before,
+        "drafted_tokens": stats.drafted,
+        "early_exit_saved": stats.declined,
+        "tau": len(new) / max(stats.forwards, 1),
         # fraction of blocks that drafted position i in which the token at i was kept
-        "accepted_per_position": [a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
+        "accepted_per_position": [a / d if d else 0.0 for a, d in zip(stats.kept_at, stats.drafted_at)],
     }
+
+
+def synchronize(device: torch.device):
+    """Wait for the GPU, so wall times measure the work and not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # -----------------------------------------------------------------------------
@@ -235,14 +251,14 @@ def build_draft(spec: str, target, tokenizer, args, device, dtype, generator):
         early_exit = EARLY_EXIT_DEFAULTS[kind] if early_exit == "auto" else early_exit
         common = dict(temperature=args.temperature, top_p=args.top_p, generator=generator, early_exit=early_exit)
         if kind == "eagle3":
-            return Eagle3Drafter(net, target.embed_tokens, target.max_seq_len, **common)
-        return DFlashDrafter(net, target.embed_tokens, target.lm_head, target.max_seq_len, **common)
+            return Eagle3Draft(net, target.embed_tokens, target.max_seq_len, **common)
+        return DFlashDraft(net, target.embed_tokens, target.lm_head, target.max_seq_len, **common)
     draft_model = M.load_model(path, dtype=dtype, device=device)
     if draft_model.args.vocab_size != target.args.vocab_size:
         raise ValueError(f"draft {spec} has a vocabulary of {draft_model.args.vocab_size} tokens, "
                          f"the target {target.args.vocab_size}: they must share a tokenizer")
     probe = "Speculative decoding 123 ü 🙂"
-    if M.load_tokenizer(path).encode(probe) != tokenizer.encode(probe):
+    if load_tokenizer(path).encode(probe) != tokenizer.encode(probe):
         raise ValueError(f"draft {spec} tokenizes text differently from the target")
     draft_model.setup_caches(1, target.max_seq_len)
     if args.pack:

@@ -1,19 +1,26 @@
 """
-Drafts: cheap proposers of the next k tokens. Every draft speaks the same three-call interface that
-decode.py's loop drives:
+Drafts: cheap proposers of the next k tokens. Every draft speaks the same interface, which
+decode.py's loop drives without knowing which draft it holds:
 
-    draft.start(prompt_ids)        sees the prompt (prefills its own cache, if it has one)
-    draft.propose(k) -> (tokens (k,), q (k, V) or None)
-                                   k guesses continuing the committed sequence, with the
-                                   distributions they were drawn from (None: deterministic)
-    draft.commit(new_ids, n_accepted)
-                                   the verifier kept n_accepted drafted tokens and appended one
-                                   more; new_ids are all of them. A draft with a cache rewinds it
-                                   to the part that is still valid.
+    draft.target_layers            the target hidden states the draft reads (indices in model.py's
+                                   convention); () for drafts that read none
+    draft.start(prompt_ids, features)
+                                   sees the prompt; features (L-1, len(target_layers) * dim) are
+                                   the target's states at positions 0..L-2, or None
+    draft.propose(k) -> (tokens (k',), q (k', V) or None)
+                                   k' <= k guesses continuing the committed sequence, with the
+                                   distributions they were drawn from (None: deterministic);
+                                   fewer than k when the draft declines the rest
+    draft.commit(new_ids, n_accepted, features)
+                                   the verifier kept n_accepted guesses and added one token of its
+                                   own; new_ids are all of them, features the target's states at
+                                   the n_accepted + 1 positions just committed (or None). A draft
+                                   with a cache rewinds it to the part that is still valid.
 
-Drafts that read the target's hidden states (EAGLE-3, DFlash) also name the `target_layers` they
-need (indices in model.py's convention) and receive those states, concatenated, for the committed
-positions: start(prompt_ids, features) and commit(new_ids, n_accepted, features).
+Layer indices: inside this project every list of target layers is in model.py's convention
+(hidden[i] enters layer i). Released configs name *outputs* of layers instead (EAGLE-3's
+eagle_aux_hidden_state_layer_ids, DFlash's target_layer_ids: output of layer j = hidden[j + 1]);
+the loaders below convert at the checkpoint boundary and nowhere else.
 
 This file holds prompt lookup (n-gram matching, training-free), an independent draft model (any
 model.py checkpoint sharing the target's tokenizer), and the two trained drafts with their
@@ -28,19 +35,39 @@ import torch
 import torch.nn as nn
 
 import model as M
-from verify import probs_from_logits
+from verify import probs_from_logits, sample
+
+
+def no_tokens():
+    return torch.tensor([], dtype=torch.long), None
+
+
+class NoDraft:
+    """Plain decoding: proposes nothing, so every step is one ordinary decoding step."""
+    target_layers = ()
+    forwards = 0
+
+    def start(self, prompt_ids, features=None):
+        pass
+
+    def propose(self, k: int):
+        return no_tokens()
+
+    def commit(self, new_ids, n_accepted, features=None):
+        pass
 
 
 class LookupDraft:
     """Prompt lookup decoding: find the most recent earlier occurrence of the last n tokens
     (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
+    target_layers = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.seq: list = []
         self.forwards = 0  # no network: lookups are not forwards
 
-    def start(self, prompt_ids):
+    def start(self, prompt_ids, features=None):
         self.seq = list(prompt_ids)
 
     def propose(self, k: int):
@@ -52,9 +79,9 @@ class LookupDraft:
                     follow = seq[start + n:start + n + k]
                     if follow:
                         return torch.tensor(follow), None
-        return torch.tensor([], dtype=torch.long), None
+        return no_tokens()
 
-    def commit(self, new_ids, n_accepted):
+    def commit(self, new_ids, n_accepted, features=None):
         self.seq += list(new_ids)
 
 
@@ -62,16 +89,17 @@ class ModelDraft:
     """A smaller model of the same family (e.g. qwen3-0.6b for qwen3-4b) drafting autoregressively.
     Its cache holds `cache_len` committed tokens; each propose first feeds the committed tokens it
     has not seen (one, or two after a fully accepted block) and then drafts k tokens."""
+    target_layers = ()
 
     def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0, generator=None):
         self.model, self.temperature, self.top_p, self.generator = model, temperature, top_p, generator
-        self.device = model.lm_head.weight.device if hasattr(model.lm_head, "weight") else "cpu"
+        self.device = model.embed_tokens.weight.device
         self.seq: list = []
         self.cache_len = 0
         self.drafted = 0
         self.forwards = 0
 
-    def start(self, prompt_ids):
+    def start(self, prompt_ids, features=None):
         self.seq = list(prompt_ids)
         self.cache_len = self.drafted = 0
 
@@ -82,10 +110,10 @@ class ModelDraft:
         x = torch.tensor([pending], device=self.device)
         pos = torch.arange(self.cache_len, len(self.seq), device=self.device)
         for _ in range(k):
-            logits = self.model(x, pos, last_logits_only=True)[0, -1]  # (V,)
+            logits, _ = self.model(x, pos, last_logits_only=True)
             self.forwards += 1
-            q = probs_from_logits(logits, self.temperature, self.top_p)
-            token = torch.multinomial(q, 1, generator=self.generator) if self.temperature > 0 else q.argmax(-1, keepdim=True)
+            q = probs_from_logits(logits[0, -1], self.temperature, self.top_p)  # (V,)
+            token = sample(q, self.temperature, self.generator)
             tokens.append(token)
             dists.append(q)
             x, pos = token.view(1, 1), pos[-1:] + 1
@@ -93,10 +121,10 @@ class ModelDraft:
         self.cache_len = len(self.seq)
         self.drafted = len(tokens)
         if not tokens:
-            return torch.tensor([], dtype=torch.long), None
-        return torch.cat(tokens), torch.stack(dists)  # (k,), (k, V)
+            return no_tokens()
+        return torch.stack(tokens), torch.stack(dists)  # (k,), (k, V)
 
-    def commit(self, new_ids, n_accepted):
+    def commit(self, new_ids, n_accepted, features=None):
         # drafted tokens 0..drafted-2 went through the cache; keep the accepted ones among them
         self.cache_len += min(n_accepted, max(self.drafted - 1, 0))
         self.seq += list(new_ids)
@@ -110,12 +138,15 @@ def eagle3_target_layers(n_layer: int) -> tuple:
     return (2, n_layer // 2, n_layer - 3)
 
 
-def dflash_target_layers(n_target_layer: int, n_draft_layer: int) -> list:
-    """Evenly spaced target layers from the second to the fourth-last, one per draft layer."""
+def dflash_target_layers(n_target_layer: int, n_draft_layer: int) -> tuple:
+    """DFlash's default: the outputs of evenly spaced layers j from the second to the fourth-last,
+    one per draft layer; as hidden states (model.py's convention) those are hidden[j + 1]."""
     if n_draft_layer == 1:
-        return [n_target_layer // 2]
-    lo, hi = 1, n_target_layer - 3
-    return [round(lo + i * (hi - lo) / (n_draft_layer - 1)) for i in range(n_draft_layer)]
+        outputs = [n_target_layer // 2]
+    else:
+        lo, hi = 1, n_target_layer - 3
+        outputs = [round(lo + i * (hi - lo) / (n_draft_layer - 1)) for i in range(n_draft_layer)]
+    return tuple(j + 1 for j in outputs)
 
 
 class Eagle3Layer(nn.Module):
@@ -178,70 +209,67 @@ def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
-class Eagle3Drafter:
+class Eagle3Draft:
     """Drives an Eagle3 network inside decode.py's loop (see the module docstring).
 
-    The draft pairs the target's fused state at position t with the embedding of token t+1 and
-    places the pair at position t of its own cache. Real pairs arrive with each commit; drafted
-    pairs (the draft's own output with its sampled token) go past them and are overwritten."""
+    Pairing, the one off-by-one of EAGLE: the draft places the target's fused state at position t
+    together with the embedding of token t+1 (the token that state predicted) at position t of its
+    own cache. So a prompt of L tokens gives L-1 pairs (states 0..L-2 with tokens 1..L-1), and each
+    commit of n+1 tokens brings the states of the n+1 positions they were fed at. Drafted pairs
+    (the draft's own output with its own token) go past the real ones and are overwritten."""
 
     def __init__(self, net: Eagle3, embed: nn.Embedding, max_seq_len: int,
                  temperature: float = 0.0, top_p: float = 1.0, generator=None, early_exit: float | None = None):
         self.net, self.embed = net, embed
         self.target_layers = net.target_layers
         self.temperature, self.top_p, self.generator, self.early_exit = temperature, top_p, generator, early_exit
-        p = net.fc.weight
-        self.cache = M.KVCache(1, net.args.n_kv_head, max_seq_len, net.args.head_dim, p.dtype, p.device)
-        cos, sin = M.rope_table(net.args, max_seq_len)
-        self.cos, self.sin = cos.to(p.device, p.dtype), sin.to(p.device, p.dtype)
+        weight = net.fc.weight
+        self.cache = M.KVCache(1, net.args.n_kv_head, max_seq_len, net.args.head_dim, weight.dtype, weight.device)
+        self.cos, self.sin = M.rope_table(net.args, max_seq_len, weight.device, weight.dtype)
         self.forwards = 0
-        self.head_probs: list = []  # verification-head probabilities of the last proposal
 
-    def start(self, prompt_ids, features):
+    def start(self, prompt_ids, features=None):
         self.cache_len = 0
         self.pending_tokens = list(prompt_ids[1:])
-        self.pending_features = features  # (L-1, 3 * target_dim) for positions 0..L-2
+        self.pending_features = features  # (L-1, 3 * target_dim): states 0..L-2, paired with tokens 1..L-1
 
     def step(self, tokens, hidden, pos):
-        """One forward at positions pos..pos+T-1; tokens (T,), hidden (T, dim)."""
+        """One forward at positions pos..pos+T-1; tokens (T,), hidden (T, dim) -> (T, dim)."""
         layer, T = self.net.midlayer, len(tokens)
         positions = torch.arange(pos, pos + T, device=hidden.device)
-        cos, sin = self.cos[positions], self.sin[positions]
-        q, k, v = layer.qkv(self.embed(tokens)[None], hidden[None], cos, sin)
-        k, v = self.cache.update(positions, k, v)
-        mask = torch.arange(pos + T, device=hidden.device) <= positions[:, None]
-        out = layer.finish(hidden[None], layer.self_attn.attend(q, k[:, :, :pos + T], v[:, :, :pos + T], mask))[0]
+        queries, keys, values = layer.qkv(self.embed(tokens)[None], hidden[None], self.cos[positions],
+                                          self.sin[positions])
+        keys, values = self.cache.update(positions, keys, values)
+        visible = torch.arange(pos + T, device=hidden.device) <= positions[:, None]  # (T, pos+T)
+        attended = layer.self_attn.attend(queries, keys[:, :, :pos + T], values[:, :, :pos + T], visible)
         self.forwards += 1
-        return out  # (T, dim), pre-norm: what the next draft step feeds back
+        return layer.finish(hidden[None], attended)[0]  # pre-norm: what the next draft step feeds back
 
     @torch.no_grad()
     def propose(self, k: int):
         net = self.net
-        device = net.fc.weight.device
+        device, dtype = net.fc.weight.device, net.fc.weight.dtype
         if not self.pending_tokens:  # a one-token prompt: no target state to draft from yet
-            return torch.tensor([], dtype=torch.long), None
+            return no_tokens()
         tokens_in = torch.tensor(self.pending_tokens, dtype=torch.long, device=device)
-        hidden = net.fc(self.pending_features.to(device=device, dtype=net.fc.weight.dtype))
-        out = self.step(tokens_in, hidden, self.cache_len)[-1:]
+        state = self.step(tokens_in, net.fc(self.pending_features.to(device, dtype)), self.cache_len)[-1:]  # (1, dim)
         self.cache_len += len(tokens_in)
-        tokens, dists, self.head_probs = [], [], []
+        tokens, dists = [], []
         for j in range(k):
-            logits, v_logit = net.heads(out[-1])
-            head = torch.sigmoid(v_logit).item() if self.early_exit is not None else None
-            if head is not None and head < self.early_exit:
-                break  # the head predicts this token would be rejected: stop drafting here
-            q = net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))
-            token = torch.multinomial(q, 1, generator=self.generator) if self.temperature > 0 else q.argmax(-1, keepdim=True)
+            logits, head_logit = net.heads(state[-1])
+            if self.early_exit is not None and torch.sigmoid(head_logit).item() < self.early_exit:
+                break  # the verification head expects this token rejected: stop drafting here
+            q = net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (V,)
+            token = sample(q, self.temperature, self.generator)
             tokens.append(token)
             dists.append(q)
-            self.head_probs.append(head)
             if j + 1 < k:
-                out = self.step(token, out[-1:], self.cache_len + j)
+                state = self.step(token.view(1), state[-1:], self.cache_len + j)
         if not tokens:
-            return torch.tensor([], dtype=torch.long), None
-        return torch.cat(tokens), torch.stack(dists)
+            return no_tokens()
+        return torch.stack(tokens), torch.stack(dists)
 
-    def commit(self, new_ids, n_accepted, features):
+    def commit(self, new_ids, n_accepted, features=None):
         self.pending_tokens = list(new_ids)
         self.pending_features = features  # (n_accepted + 1, 3 * target_dim)
 
@@ -275,12 +303,12 @@ class DFlash(nn.Module):
     """DFlash draft network. Keys as the released checkpoints: layers.*, fc, hidden_norm, norm;
     embeddings and lm_head are the target's. Plus ours: verify_head."""
 
-    def __init__(self, args: M.ModelArgs, target_dim: int, target_layer_ids: list, block_size: int, mask_token_id: int):
+    def __init__(self, args: M.ModelArgs, target_dim: int, target_layers, block_size: int, mask_token_id: int):
         super().__init__()
         self.args, self.block_size, self.mask_token_id = args, block_size, mask_token_id
-        self.target_layer_ids = list(target_layer_ids)
+        self.target_layers = tuple(target_layers)  # model.py's convention, like every layer list here
         self.layers = nn.ModuleList(DFlashLayer(args) for _ in range(args.n_layer))
-        self.fc = nn.Linear(len(target_layer_ids) * target_dim, args.dim, bias=False)
+        self.fc = nn.Linear(len(self.target_layers) * target_dim, args.dim, bias=False)
         self.hidden_norm = M.RMSNorm(args.dim, args.norm_eps)
         self.norm = M.RMSNorm(args.dim, args.norm_eps)
         self.verify_head = nn.Linear(args.dim, 1)
@@ -299,63 +327,55 @@ def dflash_mask(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
     return rows.repeat_interleave(block_size, 0)
 
 
-class DFlashDrafter:
+class DFlashDraft:
     """Drives a DFlash network inside decode.py's loop. Context keys/values of each layer are
     cached at their positions; the block [last committed token, MASK x (B-1)] sits right after."""
 
     def __init__(self, net: DFlash, embed: nn.Embedding, lm_head: nn.Module, max_seq_len: int,
                  temperature: float = 0.0, top_p: float = 1.0, generator=None, early_exit: float | None = None):
         self.net, self.embed, self.lm_head = net, embed, lm_head
-        self.target_layers = tuple(i + 1 for i in net.target_layer_ids)  # outputs of those layers
+        self.target_layers = net.target_layers
         self.max_tokens = net.block_size - 1  # one block drafts at most this many (the anchor is known)
         self.temperature, self.top_p, self.generator, self.early_exit = temperature, top_p, generator, early_exit
-        p = net.fc.weight
-        self.caches = [M.KVCache(1, net.args.n_kv_head, max_seq_len + net.block_size, net.args.head_dim, p.dtype, p.device)
+        weight, length = net.fc.weight, max_seq_len + net.block_size
+        self.caches = [M.KVCache(1, net.args.n_kv_head, length, net.args.head_dim, weight.dtype, weight.device)
                        for _ in net.layers]
-        cos, sin = M.rope_table(net.args, max_seq_len + net.block_size)
-        self.cos, self.sin = cos.to(p.device, p.dtype), sin.to(p.device, p.dtype)
+        self.cos, self.sin = M.rope_table(net.args, length, weight.device, weight.dtype)
         self.forwards = 0
-        self.head_probs: list = []
 
-    def start(self, prompt_ids, features):
-        self.anchor, self.ctx_len = prompt_ids[-1], 0
+    def start(self, prompt_ids, features=None):
+        self.anchor, self.context_len = prompt_ids[-1], 0
         self.pending = features  # (L-1, n * target_dim): positions 0..L-2
 
     @torch.no_grad()
     def propose(self, k: int):
         net, device = self.net, self.net.fc.weight.device
         B = net.block_size
-        ctx = net.context(self.pending.to(device=device, dtype=net.fc.weight.dtype))[None]  # (1, nc, dim)
-        nc, a = ctx.shape[1], self.ctx_len + ctx.shape[1]  # a: the anchor's position
-        positions = torch.arange(self.ctx_len, a + B, device=device)
-        cos, sin = self.cos[positions], self.sin[positions]
-        block = self.embed(torch.tensor([[self.anchor] + [net.mask_token_id] * (B - 1)], device=device))
-        h = block
+        context = net.context(self.pending.to(device=device, dtype=net.fc.weight.dtype))[None]  # (1, n_new, dim)
+        n_new = context.shape[1]
+        anchor_pos = self.context_len + n_new
+        positions = torch.arange(self.context_len, anchor_pos + B, device=device)
+        h = self.embed(torch.tensor([[self.anchor] + [net.mask_token_id] * (B - 1)], device=device))  # (1, B, dim)
         for layer, cache in zip(net.layers, self.caches):
-            cached = (cache.k[:, :, :self.ctx_len], cache.v[:, :, :self.ctx_len])
-            h, (kk, vv) = layer(h, ctx, cos, sin, None, cached)
+            cached = (cache.k[:, :, :self.context_len], cache.v[:, :, :self.context_len])
+            h, (keys, values) = layer(h, context, self.cos[positions], self.sin[positions], None, cached)
             # keep the new context keys/values; the block's are recomputed every time
-            cache.update(positions[:nc], kk[:, :, self.ctx_len:a], vv[:, :, self.ctx_len:a])
-        self.ctx_len, self.forwards = a, self.forwards + 1
-        x = net.norm(h[0, 1:k + 1])  # (k, dim): block position i predicts the token at a + i
-        probs = probs_from_logits(self.lm_head(x), self.temperature, self.top_p)
-        head = torch.sigmoid(net.verify_head(x)[:, 0])
+            new = slice(self.context_len, anchor_pos)
+            cache.update(positions[:n_new], keys[:, :, new], values[:, :, new])
+        self.context_len, self.forwards = anchor_pos, self.forwards + 1
+        x = net.norm(h[0, 1:k + 1])  # (k, dim): block position i predicts the token at anchor_pos + i
+        probs = probs_from_logits(self.lm_head(x), self.temperature, self.top_p)  # (k, V)
         n = k
         if self.early_exit is not None:  # stop at the first position the head expects rejected
-            below = (head < self.early_exit).nonzero()
+            below = (torch.sigmoid(net.verify_head(x)[:, 0]) < self.early_exit).nonzero()
             n = int(below[0]) if len(below) else k
-        self.head_probs = head[:n].tolist()
         if n == 0:
-            return torch.tensor([], dtype=torch.long), None
-        if self.temperature > 0:
-            tokens = torch.multinomial(probs[:n], 1, generator=self.generator)[:, 0]
-        else:
-            tokens = probs[:n].argmax(-1)
-        return tokens, probs[:n]
+            return no_tokens()
+        return sample(probs[:n], self.temperature, self.generator), probs[:n]
 
-    def commit(self, new_ids, n_accepted, features):
+    def commit(self, new_ids, n_accepted, features=None):
         self.anchor = new_ids[-1]
-        self.pending = features  # (n_accepted + 1, n * target_dim), the positions after ctx_len
+        self.pending = features  # (n_accepted + 1, n * target_dim), the positions after context_len
 
 
 # -----------------------------------------------------------------------------
@@ -410,17 +430,25 @@ def check_supported(config: dict, kind: str, path: Path):
                                 f"with more than one are not supported")
 
 
+def from_layer_outputs(ids) -> tuple:
+    """Released configs' layer ids (the output of layer j) -> hidden-state indices (hidden[j + 1])."""
+    return tuple(j + 1 for j in ids)
+
+
+def to_layer_outputs(layers) -> list:
+    return [i - 1 for i in layers]
+
+
 def eagle3_layers_from_config(config: dict, n_target_layer: int) -> tuple:
-    """The fused target states, in model.py's index convention. Released configs name the layers
-    whose *output* is read (SpecForge's eagle_config.eagle_aux_hidden_state_layer_ids, read first,
-    as SpecForge does), so each id j is our hidden[j + 1]; without them, EAGLE-3's default."""
+    """The fused target states: eagle_config.eagle_aux_hidden_state_layer_ids (read first, as
+    SpecForge does), the same key at the top level, or EAGLE-3's default."""
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
         or config.get("eagle_aux_hidden_state_layer_ids")
-    return tuple(j + 1 for j in ids) if ids else eagle3_target_layers(n_target_layer)
+    return from_layer_outputs(ids) if ids else eagle3_target_layers(n_target_layer)
 
 
 def dflash_settings(config: dict, n_draft_layer: int, path: Path):
-    """(target layer ids, mask token id, number of target layers) from dflash_config or, as some
+    """(target layers, mask token id, number of target layers) from dflash_config or, as some
     released configs have them, the top level."""
     dc = config.get("dflash_config") or {}
     mask_id = dc.get("mask_token_id", config.get("mask_token_id"))
@@ -428,12 +456,12 @@ def dflash_settings(config: dict, n_draft_layer: int, path: Path):
         raise M.CheckpointError(f"DFlash draft {path} names no mask_token_id (in dflash_config or at the top "
                                 f"level): its blocks cannot be filled")
     n_target = config.get("num_target_layers")
-    layer_ids = dc.get("target_layer_ids") or config.get("target_layer_ids")
-    if not layer_ids:
-        if not n_target:
-            raise M.CheckpointError(f"DFlash draft {path} names neither target_layer_ids nor num_target_layers")
-        layer_ids = dflash_target_layers(n_target, n_draft_layer)  # DFlash's own rule for the default
-    return list(layer_ids), mask_id, n_target
+    ids = dc.get("target_layer_ids") or config.get("target_layer_ids")
+    if ids:
+        return from_layer_outputs(ids), mask_id, n_target
+    if not n_target:
+        raise M.CheckpointError(f"DFlash draft {path} names neither target_layer_ids nor num_target_layers")
+    return dflash_target_layers(n_target, n_draft_layer), mask_id, n_target  # DFlash's own default
 
 
 def check_matches_target(path: Path, target: M.Transformer, target_dim: int, layers, n_target):
@@ -472,10 +500,9 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
             check_matches_target(path, target, target_dim, layers, None)
             net = Eagle3(args, target_dim, config.get("draft_vocab_size") or args.vocab_size, layers)
         else:
-            layer_ids, mask_id, n_target = dflash_settings(config, args.n_layer, path)
-            check_matches_target(path, target, config.get("target_hidden_size", target.args.dim),
-                                 [i + 1 for i in layer_ids], n_target)
-            net = DFlash(args, target.args.dim, layer_ids, config.get("block_size", 16), mask_id)
+            layers, mask_id, n_target = dflash_settings(config, args.n_layer, path)
+            check_matches_target(path, target, config.get("target_hidden_size", target.args.dim), layers, n_target)
+            net = DFlash(args, target.args.dim, layers, config.get("block_size", 16), mask_id)
     expected = net.state_dict()
     if "verify_head.weight" not in sd:  # released drafts have no verification head: start it neutral
         sd["verify_head.weight"] = torch.zeros(1, args.dim)
@@ -512,11 +539,12 @@ def write_draft_files(net, folder: Path, target_args: M.ModelArgs, extra_config:
     if isinstance(net, Eagle3):
         config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                       draft_vocab_size=net.lm_head.out_features, target_hidden_size=target_args.dim,
-                      eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in net.target_layers]})
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": to_layer_outputs(net.target_layers)})
     else:
         config.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=net.block_size,
                       num_target_layers=target_args.n_layer, target_hidden_size=target_args.dim,
-                      dflash_config={"target_layer_ids": net.target_layer_ids, "mask_token_id": net.mask_token_id})
+                      dflash_config={"target_layer_ids": to_layer_outputs(net.target_layers),
+                                     "mask_token_id": net.mask_token_id})
     config.update(extra_config or {})
     sd = M.unfuse_to_hf({k: v.detach().cpu() for k, v in net.state_dict().items()}, a)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}

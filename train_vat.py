@@ -40,8 +40,10 @@ from tqdm import tqdm
 
 import model as M
 from decode import default_device, generate, read_prompts, repo_path
-from draft import (DFlash, DFlashDrafter, Eagle3, Eagle3Drafter, dflash_mask, dflash_target_layers,
+from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers,
                    eagle3_target_layers, load_draft, replace_directory, ttt_mask, write_draft_files)
+from tokenizer import load_tokenizer
+from verify import Verifier, probs_from_logits, sample
 
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
@@ -143,21 +145,20 @@ def eagle3_ttt(net: Eagle3, embed, tokens, features, K: int):
     Step s at base t feeds (state, embedding of token t+1+s) at position t+s and predicts t+2+s."""
     B, T = tokens.shape
     layer = net.midlayer
-    cos, sin = M.rope_table(net.args, T + K)
-    cos, sin = cos.to(features.device, features.dtype), sin.to(features.device, features.dtype)
-    padded = torch.cat([tokens, tokens.new_zeros(B, K + 1)], 1)
-    hidden = net.fc(features)  # (B, T, dim)
+    cos, sin = M.rope_table(net.args, T + K, features.device, features.dtype)
+    padded = torch.cat([tokens, tokens.new_zeros(B, K + 1)], 1)  # (B, T+K+1): room for the last chains
+    state = net.fc(features)  # (B, T, dim)
     keys, values, logits, heads = [], [], [], []
     for s in range(K):
-        embeds = embed(padded[:, 1 + s:1 + s + T])
-        q, k, v = layer.qkv(embeds, hidden, cos[s:s + T], sin[s:s + T])
-        keys.append(k)
-        values.append(v)
-        mask = ttt_mask(T, s, tokens.device)
-        hidden = layer.finish(hidden, layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask))
-        lg, hd = net.heads(hidden)
-        logits.append(lg)
-        heads.append(hd)
+        embeds = embed(padded[:, 1 + s:1 + s + T])  # (B, T, dim)
+        queries, step_keys, step_values = layer.qkv(embeds, state, cos[s:s + T], sin[s:s + T])
+        keys.append(step_keys)
+        values.append(step_values)
+        attended = layer.self_attn.attend(queries, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(T, s, tokens.device))
+        state = layer.finish(state, attended)  # (B, T, dim)
+        step_logits, step_heads = net.heads(state)
+        logits.append(step_logits)
+        heads.append(step_heads)
     return torch.stack(logits, 1), torch.stack(heads, 1)
 
 
@@ -166,73 +167,83 @@ def dflash_blocks(net: DFlash, embed, lm_head, tokens, features, anchors):
     head logits (B, nb, bs-1): block j position i predicts the token at anchors[j] + i."""
     B, T = tokens.shape
     bs, nb = net.block_size, anchors.shape[1]
-    offsets = torch.arange(bs, device=tokens.device)
-    block_pos = (anchors[..., None] + offsets).view(B, nb * bs)  # (B, nb*bs)
+    block_pos = (anchors[..., None] + torch.arange(bs, device=tokens.device)).view(B, nb * bs)  # (B, nb*bs)
     block_tokens = torch.full((B, nb, bs), net.mask_token_id, dtype=torch.long, device=tokens.device)
     block_tokens[:, :, 0] = tokens.gather(1, anchors)
-    h = embed(block_tokens.view(B, nb * bs))
-    ctx = net.context(features)
-    cos_t, sin_t = M.rope_table(net.args, T + bs)
-    positions = torch.cat([torch.arange(T, device=tokens.device).expand(B, T), block_pos], 1)
-    cos = cos_t.to(h.device, h.dtype)[positions][:, None]  # (B, 1, T + nb*bs, head_dim)
-    sin = sin_t.to(h.device, h.dtype)[positions][:, None]
+    h = embed(block_tokens.view(B, nb * bs))  # (B, nb*bs, dim)
+    context = net.context(features)  # (B, T, dim)
+    cos_table, sin_table = M.rope_table(net.args, T + bs, h.device, h.dtype)
+    positions = torch.cat([torch.arange(T, device=tokens.device).expand(B, T), block_pos], 1)  # (B, T + nb*bs)
+    cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]  # (B, 1, T + nb*bs, head_dim)
     mask = torch.stack([dflash_mask(a, T, bs) for a in anchors])[:, None]  # (B, 1, nb*bs, T + nb*bs)
     for layer in net.layers:
-        h, _ = layer(h, ctx, cos, sin, mask)
-    x = net.norm(h.view(B, nb, bs, -1)[:, :, 1:])
+        h, _ = layer(h, context, cos, sin, mask)
+    x = net.norm(h.view(B, nb, bs, -1)[:, :, 1:])  # (B, nb, bs-1, dim)
     return lm_head(x), net.verify_head(x)[..., 0]
 
 
-def draft_batch_loss(net, target, batch, args, draft_ids=None):
-    """One training batch: target features and logits (no grad), the draft's forward, the loss.
-    batch: tokens (B, T), response mask (B, T) and, from the offline cache, the target's features
-    (B, T, n*dim) and final states (B, T, dim), from which its logits are one matmul away."""
-    tokens, loss_mask, *cached = batch
-    B, T = tokens.shape
+def target_pass(target, batch, layers):
+    """The frozen target on a batch: its logits (B, T, V) and the features the draft reads
+    (B, T, len(layers) * dim). From the offline cache (--cache-features) the batch carries the
+    features and the final states, from which the logits are one matmul away."""
+    tokens, _, *cached = batch
     with torch.no_grad():
         if cached:
             features, final = (c.to(target.norm.weight.dtype) for c in cached)
-            target_logits = target.lm_head(target.norm(final))
-        else:
-            target_logits, hidden = target(tokens, torch.arange(T, device=tokens.device), hidden_layers=args.layers)
-            features = torch.cat(hidden, -1)
-    if args.draft == "eagle3":
-        K = args.ttt_steps
-        logits, heads = eagle3_ttt(net, target.embed_tokens, tokens, features, K)  # (B, K, T, Vd), (B, K, T)
-        # step s at base t predicts the token at t+2+s; the target's distribution for it sits at t+1+s
-        src = torch.arange(T, device=tokens.device)[None, :] + 1 + torch.arange(K, device=tokens.device)[:, None]
-        predicted = src + 1  # (K, T)
-        valid = (predicted < T)[None] & loss_mask[:, predicted.clamp(max=T - 1)].bool()  # (B, K, T)
-        src = src.clamp(max=T - 1)
-        in_vocab = net.t2d[target_logits.argmax(-1)][:, src]  # (B, K, T)
-        tl = F.log_softmax(target_logits.float(), -1)[..., draft_ids][:, src]  # (B, K, T, Vd)
-        chains = lambda x: x.transpose(1, 2).flatten(0, 1)  # noqa: E731  (B, K, T, ...) -> (B*T, K, ...)
-        return objective(chains(logits), chains(heads), chains(tl), chains(valid), args, native="soft",
-                         target_in_vocab=chains(in_vocab))
+            return target.lm_head(target.norm(final)), features
+        logits, hidden = target(tokens, torch.arange(tokens.shape[1], device=tokens.device), hidden_layers=layers)
+        return logits, torch.cat(hidden, -1)
+
+
+def eagle3_loss(net: Eagle3, target, batch, args):
+    """EAGLE-3's training-time test on one batch, as K-step chains from every base position."""
+    tokens, response = batch[0], batch[1].bool()
+    T, K = tokens.shape[1], args.ttt_steps
+    target_logits, features = target_pass(target, batch, net.target_layers)
+    logits, heads = eagle3_ttt(net, target.embed_tokens, tokens, features, K)  # (B, K, T, Vd), (B, K, T)
+    # step s from base t predicts the token at t+2+s; the target's distribution for it sits at t+1+s
+    source = torch.arange(T, device=tokens.device)[None, :] + 1 + torch.arange(K, device=tokens.device)[:, None]
+    predicted = source + 1  # (K, T)
+    valid = (predicted < T)[None] & response[:, predicted.clamp(max=T - 1)]  # (B, K, T)
+    source = source.clamp(max=T - 1)
+    in_vocab = net.t2d[target_logits.argmax(-1)][:, source]  # (B, K, T)
+    target_logp = F.log_softmax(target_logits.float(), -1)[..., net.draft_to_target()][:, source]  # (B, K, T, Vd)
+
+    def chains(x):  # (B, K, T, ...) -> (B*T, K, ...): one chain per base position
+        return x.transpose(1, 2).flatten(0, 1)
+    return objective(chains(logits), chains(heads), chains(target_logp), chains(valid), args, native="soft",
+                     target_in_vocab=chains(in_vocab))
+
+
+def dflash_loss(net: DFlash, target, batch, args):
+    """DFlash's block objective on one batch: blocks at random anchors inside the responses."""
+    tokens, response = batch[0], batch[1].bool()
+    B, T = tokens.shape
     bs = net.block_size
-    anchors = sample_anchors(loss_mask, args.blocks_per_seq, bs)  # (B, nb)
+    target_logits, features = target_pass(target, batch, net.target_layers)
+    anchors = sample_anchors(response, args.blocks_per_seq)  # (B, nb)
     # the target's lm_head as a plain matmul: a packed CPU weight has no autograd, and the draft's
     # gradient must flow through it
     lm_weight = M.dense_weight(target.lm_head)
     logits, heads = dflash_blocks(net, target.embed_tokens, lambda x: F.linear(x, lm_weight), tokens, features, anchors)
     pos = anchors[..., None] + torch.arange(1, bs, device=tokens.device)  # (B, nb, bs-1) predicted positions
-    inside = pos < T
-    pos_c = pos.clamp(max=T - 1)
-    tl = target_logits.gather(1, (pos_c - 1).view(B, -1, 1).expand(-1, -1, target_logits.shape[-1])).view(
-        *pos.shape, -1)  # the target's distribution for the token at pos
-    tl = F.log_softmax(tl.float(), -1)
-    valid = inside & loss_mask.gather(1, pos_c.view(B, -1)).view(pos.shape).bool()
-    nb = anchors.shape[1]
-    return objective(logits.reshape(B * nb, bs - 1, -1), heads.reshape(B * nb, bs - 1), tl.reshape(B * nb, bs - 1, -1),
-                     valid.reshape(B * nb, bs - 1), args, native="hard")
+    pos_inside = pos.clamp(max=T - 1)
+    # the target's distribution for the token at pos comes from position pos - 1
+    rows = (pos_inside - 1).view(B, -1, 1).expand(-1, -1, target_logits.shape[-1])
+    target_logp = F.log_softmax(target_logits.gather(1, rows).view(*pos.shape, -1).float(), -1)  # (B, nb, bs-1, V)
+    valid = (pos < T) & response.gather(1, pos_inside.view(B, -1)).view(pos.shape)
+
+    def blocks(x):  # (B, nb, bs-1, ...) -> (B*nb, bs-1, ...): one chain per block
+        return x.flatten(0, 1)
+    return objective(blocks(logits), blocks(heads), blocks(target_logp), blocks(valid), args, native="hard")
 
 
-def sample_anchors(loss_mask, n: int, block_size: int):
+def sample_anchors(response, n: int):
     """n random anchors per sequence, each the position just before a response token."""
-    B, T = loss_mask.shape
-    out = torch.zeros(B, n, dtype=torch.long, device=loss_mask.device)
+    B, T = response.shape
+    out = torch.zeros(B, n, dtype=torch.long, device=response.device)
     for b in range(B):
-        starts = (loss_mask[b, 1:].nonzero()[:, 0])  # anchor a predicts a+1.. : a+1 must be response
+        starts = (response[b, 1:].nonzero()[:, 0])  # anchor a predicts a+1.. : a+1 must be response
         if len(starts) == 0:
             continue
         out[b] = starts[torch.randint(len(starts), (n,))]
@@ -275,22 +286,22 @@ def batch_generate(target, prompts_ids: list, max_new_tokens: int, stop_ids, tem
         tokens[b, P - len(ids):] = torch.tensor(ids)
         key_valid[b, P - len(ids):] = True
     key_valid[:, P:] = True
-    logits = target(tokens, torch.arange(P, device=device), key_valid=key_valid, last_logits_only=True)
+    logits, _ = target(tokens, torch.arange(P, device=device), key_valid=key_valid, last_logits_only=True)
     out = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stop = torch.tensor(sorted(stop_ids), device=device)
     for i in range(max_new_tokens):
-        if temperature > 0:
-            nxt = torch.multinomial(torch.softmax(logits[:, -1].float() / temperature, -1), 1, generator=generator)[:, 0]
-        else:
-            nxt = logits[:, -1].argmax(-1)
+        nxt = sample(probs_from_logits(logits[:, -1], temperature), temperature, generator)  # (B,)
         for b in (~done).nonzero()[:, 0].tolist():
             out[b].append(int(nxt[b]))
         done |= torch.isin(nxt, stop)
         if done.all() or P + i + 1 >= target.max_seq_len:
             break
-        logits = target(nxt[:, None], torch.tensor([P + i], device=device), key_valid=key_valid)
+        logits, _ = target(nxt[:, None], torch.tensor([P + i], device=device), key_valid=key_valid)
     return out
+
+
+MIN_PROMPT_CHARS = 11  # shorter self-written "prompts" are fragments (a greeting, a lone word)
 
 
 def magpie_prompts(target, tokenizer, n: int, batch: int, max_tokens: int = 96) -> list:
@@ -303,7 +314,7 @@ def magpie_prompts(target, tokenizer, n: int, batch: int, max_tokens: int = 96) 
     for _ in tqdm(range(0, n, batch), desc="self-generated prompts", file=sys.stderr):
         for ids in batch_generate(target, [prefix] * batch, max_tokens, tokenizer.stop_ids, 1.0, g):
             text = tokenizer.decode([t for t in ids if t not in tokenizer.stop_ids]).strip()
-            if len(text) > 10:
+            if len(text) >= MIN_PROMPT_CHARS:
                 prompts.append(text)
     return prompts[:n]
 
@@ -332,10 +343,7 @@ def build_dataset(target, tokenizer, args) -> list:
         for i, response in zip(idx, batch_generate(target, [encoded[i] for i in idx], args.response_tokens,
                                                    tokenizer.stop_ids)):
             data.append((encoded[i] + response, len(encoded[i]), prompts[i]))
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    torch.save(data, tmp)
-    tmp.replace(cache)
+    save_atomically(data, cache)
     return data
 
 
@@ -377,10 +385,10 @@ def batches(data, batch_size: int, seq_len: int, rng: random.Random, cache=None)
 
 
 @torch.no_grad()
-def feature_cache(target, data, args) -> list:
+def feature_cache(target, data, target_layers, args) -> list:
     """Opt-in offline cache for small targets: the fused features and final states of every
     training sequence, computed once (bf16) and reused by every epoch and run."""
-    layers = tuple(args.layers) + (target.args.n_layer,)
+    layers = tuple(target_layers) + (target.args.n_layer,)
     key = hashlib.sha1(json.dumps([args.target, layers, args.seq_len, len(data),
                                    sum(len(ids) for ids, *_ in data), data[0][0][:16]]).encode()).hexdigest()[:12]
     path = Path(args.cache_dir) / f"features-{key}.pt"
@@ -398,10 +406,7 @@ def feature_cache(target, data, args) -> list:
         features, final = torch.cat(hidden[:-1], -1), hidden[-1]
         out += [(features[b, :len(ids)].to("cpu", torch.bfloat16), final[b, :len(ids)].to("cpu", torch.bfloat16))
                 for b, ids in enumerate(chunk)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(out, tmp)
-    tmp.replace(path)
+    save_atomically(out, path)
     return out
 
 
@@ -409,19 +414,21 @@ def feature_cache(target, data, args) -> list:
 # Evaluation: real tau through decode.py's loop
 
 @torch.no_grad()
-def evaluate_tau(net, target, tokenizer, prompts, args, max_new_tokens=64) -> float:
+def evaluate_tau(net, target, tokenizer, prompts, args) -> float:
+    """Real tau of the draft on held-out prompts, greedy, through decode.py's own loop."""
     net.eval()
-    if args.draft == "eagle3":
-        drafter = Eagle3Drafter(net, target.embed_tokens, target.max_seq_len)
+    target.setup_caches(1, args.max_prompt_tokens + EVAL_NEW_TOKENS + args.eval_k + 1)
+    if isinstance(net, Eagle3):
+        draft = Eagle3Draft(net, target.embed_tokens, target.max_seq_len)
     else:
-        drafter = DFlashDrafter(net, target.embed_tokens, target.lm_head, target.max_seq_len)
-    from verify import Verifier
+        draft = DFlashDraft(net, target.embed_tokens, target.lm_head, target.max_seq_len)
     new = forwards = 0
     for text in prompts:
         ids = tokenizer.encode_chat([{"role": "user", "content": text}])[-args.max_prompt_tokens:]
-        r = generate(target, ids, drafter, Verifier("greedy"), k=args.eval_k, max_new_tokens=max_new_tokens,
+        r = generate(target, ids, draft, Verifier("greedy"), k=args.eval_k, max_new_tokens=EVAL_NEW_TOKENS,
                      stop_ids=tokenizer.stop_ids)
         new, forwards = new + r["new_tokens"], forwards + r["target_forwards"]
+    target.setup_caches(args.batch_size, args.seq_len)
     net.train()
     return new / max(forwards, 1)
 
@@ -540,6 +547,10 @@ def announce_defaults(args):
               file=sys.stderr)
 
 
+GRAD_CLIP = 0.5  # EAGLE's training configs clip the gradient norm at 0.5
+EVAL_NEW_TOKENS = 64  # answer length of the periodic real-tau check
+
+
 def build_draft_net(args, target, data):
     t = target.args
     if args.draft == "eagle3":
@@ -555,6 +566,8 @@ def build_draft_net(args, target, data):
             net.lm_head.weight.copy_(M.dense_weight(target.lm_head)[net.draft_to_target()].float())
             net.norm.weight.copy_(target.norm.weight.float())
         return net
+    # DFlash's released drafts use 5 layers for 4B-8B targets; on a small target (dim < 2048) 5
+    # layers would cost nearly what the target does, so 2
     n_layer = args.draft_layers or (5 if t.dim >= 2048 else 2)
     dargs = M.ModelArgs(model_type="qwen3", vocab_size=t.vocab_size, dim=t.dim, n_layer=n_layer, n_head=t.n_head,
                         n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
@@ -569,29 +582,63 @@ def build_draft_net(args, target, data):
     return net
 
 
-def main(argv=None):
-    args = get_args(argv)
-    announce_defaults(args)
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
+def start_processes(args):
+    """(device, rank, world): one process, or one of several launched by torchrun (DDP)."""
+    if "RANK" not in os.environ:
+        return args.device, 0, 1
+    import torch.distributed as dist
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     device = args.device
-    ddp = "RANK" in os.environ  # launched by torchrun
-    if ddp:
-        import torch.distributed as dist
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-        rank = dist.get_rank()
-        if device.startswith("cuda"):
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-            torch.cuda.set_device(device)
-        rng = random.Random(args.seed + rank)
-    master = not ddp or rank == 0
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def load_frozen_target(args, device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     target_dir = M.resolve_model(args.target)
     target = M.load_model(target_dir, dtype=dtype, device=device)
-    target.setup_caches(args.gen_batch, args.max_prompt_tokens + args.response_tokens + 8)
-    M.pack_for_cpu(target)
-    tokenizer = M.load_tokenizer(target_dir)
+    target.setup_caches(args.gen_batch, args.max_prompt_tokens + args.response_tokens)
+    return M.pack_for_cpu(target), load_tokenizer(target_dir)
 
+
+def draft_to_train(args, target, data, device):
+    """(draft, optimizer, step, log, rng state): the newest checkpoint's with --resume, else new."""
+    resumed = latest_checkpoint(args.out, target) if args.resume else None
+    if resumed:
+        net, state, log = resumed
+        print(f"resuming from step {state['step']}", file=sys.stderr)
+    else:
+        if args.resume:
+            print(f"no complete checkpoint in {args.out}: starting fresh", file=sys.stderr)
+        net, state, log = build_draft_net(args, target, data), None, []
+    net = net.to(device).train()
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
+    if state is None:
+        return net, opt, 0, log, None
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    return net, opt, state["step"], log, (state["rng"][0], tuple(state["rng"][1]), state["rng"][2])
+
+
+def learning_rate(args, step: int) -> float:
+    """Linear warm-up, then cosine decay to zero at args.steps."""
+    warm = min(1.0, (step + 1) / args.warmup) if args.warmup else 1.0
+    return args.lr * warm * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+
+
+def main(argv=None):
+    args = get_args(argv)
+    announce_defaults(args)
+    device, rank, world = start_processes(args)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed + rank)
+    master = rank == 0
+
+    # data: prompts, the target's own responses, a few held out for the real-tau check
+    target, tokenizer = load_frozen_target(args, device)
     data = build_dataset(target, tokenizer, args)
     if args.prepare_only:
         print(json.dumps({"sequences": len(data), "tokens": sum(len(ids) for ids, *_ in data)}))
@@ -602,63 +649,45 @@ def main(argv=None):
     held_out, data = data[:args.eval_prompts], data[args.eval_prompts:]
     eval_texts = [text for _, _, text in held_out]
 
-    resumed = latest_checkpoint(args.out, target) if args.resume else None
-    if resumed:
-        net, state, log = resumed
-        net = net.to(device)
-        print(f"resuming from step {state['step']}", file=sys.stderr)
-    else:
-        if args.resume:
-            print(f"no complete checkpoint in {args.out}: starting fresh", file=sys.stderr)
-        net, state, log = build_draft_net(args, target, data).to(device), None, []
-    net.train()
-    # the target states the draft reads, in model.py's index convention (from its config on --resume)
-    args.layers = net.target_layers if args.draft == "eagle3" else tuple(i + 1 for i in net.target_layer_ids)
-    # the target has a fixed batch cache for generation; training forwards need one of batch_size
-    target.setup_caches(args.batch_size, args.seq_len + 8)
-    draft_ids = net.draft_to_target() if args.draft == "eagle3" else None
-    model = DraftLoss(net, target, args, draft_ids)
-    if ddp:  # gradients of the draft are averaged across processes; the target stays frozen
+    # model: the draft (new or resumed) and its loss; the target stays frozen beside it
+    net, opt, step, log, rng_state = draft_to_train(args, target, data, device)
+    if rng_state:
+        rng.setstate(rng_state)
+    target.setup_caches(args.batch_size, args.seq_len)  # training forwards: one batch of sequences
+    model = DraftLoss(net, target, args)
+    if world > 1:  # gradients of the draft are averaged across processes; the target is never all-reduced
         model = torch.nn.parallel.DistributedDataParallel(model)
-    params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step = 0
-    if state:
-        opt.load_state_dict(state["optimizer"])
-        step = state["step"]
-        rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
-        torch.set_rng_state(state["torch_rng"])
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
-    cache = feature_cache(target, data, args) if args.cache_features else None
+    cache = feature_cache(target, data, net.target_layers, args) if args.cache_features else None
     stream = batches(data, args.batch_size, args.seq_len, rng, cache)
+
+    # the loop, with the periodic real-tau check and checkpoints
     t0 = time.time()
     bar = tqdm(total=args.steps, initial=step, desc=f"{args.draft} {args.objective}", file=sys.stderr,
                disable=not master)
     while step < args.steps:
-        warm = min(1.0, (step + 1) / args.warmup) if args.warmup else 1.0
-        lr = args.lr * warm * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        lr = learning_rate(args, step)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = [x.to(device) for x in next(stream)]
         with autocast:
-            loss, stats = model(*batch)
+            loss, stats = model(*[x.to(device) for x in next(stream)])
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), GRAD_CLIP)
         opt.step()
         step += 1
         stats.update(step=step, lr=lr, seconds=time.time() - t0)
         log.append(stats)
         bar.update(1)
-        bar.set_postfix(loss=f"{stats['loss']:.3f}", head_acc=f"{stats['head_acc']:.2f}", sim_tau=f"{stats['sim_tau']:.2f}")
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", head_acc=f"{stats['head_acc']:.2f}",
+                        sim_tau=f"{stats['sim_tau']:.2f}")
         out_of_time = args.time_budget and (time.time() - t0) / 60 > args.time_budget
-        if master and args.eval_every and (step % args.eval_every == 0 or step == args.steps or out_of_time):
-            target.setup_caches(1, args.max_prompt_tokens + 128)
+        last = step == args.steps or out_of_time
+        if master and args.eval_every and (step % args.eval_every == 0 or last):
             stats["real_tau"] = evaluate_tau(net, target, tokenizer, eval_texts, args)
-            target.setup_caches(args.batch_size, args.seq_len + 8)
             tqdm.write(f"step {step}: real tau {stats['real_tau']:.2f} on {len(eval_texts)} held-out prompts",
                        file=sys.stderr)
-        if master and (step % args.save_every == 0 or step == args.steps or out_of_time):
+        if master and (step % args.save_every == 0 or last):
             save_checkpoint(args.out, net, target.args, step, opt, rng, log,
                             {"objective": args.objective, "vat_parts": args.vat_parts, "target": args.target})
         if out_of_time:
@@ -668,20 +697,21 @@ def main(argv=None):
     if master:
         print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step, "minutes": (time.time() - t0) / 60,
                           "final": log[-1] if log else None}))
-    if ddp:
-        dist.destroy_process_group()
+    if world > 1:
+        torch.distributed.destroy_process_group()
 
 
 class DraftLoss(torch.nn.Module):
     """The draft and its training loss as one module, so DDP sees the forward it must sync.
     The target is held outside the module's parameters: frozen, and never all-reduced."""
 
-    def __init__(self, net, target, args, draft_ids):
+    def __init__(self, net, target, args):
         super().__init__()
-        self.net, self.frozen, self.args, self.draft_ids = net, [target], args, draft_ids
+        self.net, self.frozen, self.args = net, [target], args
 
     def forward(self, *batch):
-        return draft_batch_loss(self.net, self.frozen[0], batch, self.args, self.draft_ids)
+        loss = eagle3_loss if isinstance(self.net, Eagle3) else dflash_loss
+        return loss(self.net, self.frozen[0], batch, self.args)
 
 
 # -----------------------------------------------------------------------------
@@ -757,8 +787,17 @@ def read_log(path: Path) -> list:
 
 
 def write_atomically(path: Path, text: str):
+    """Write under a temporary name, then rename: readers see the old file or the new one, whole."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_atomically(obj, path: Path):
+    """torch.save, whole or not at all (see write_atomically)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(obj, tmp)
     os.replace(tmp, path)
 
 

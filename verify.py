@@ -80,6 +80,14 @@ def probs_from_logits(logits: torch.Tensor, temperature: float = 0.0, top_p: flo
     return probs
 
 
+def sample(probs: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per distribution, (..., V) -> (...,): drawn at T > 0, the argmax at T = 0."""
+    if temperature <= 0:
+        return probs.argmax(-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
 # -----------------------------------------------------------------------------
 # The pieces each rule is built from, elementwise so the sampler and the closed form share them
 

@@ -68,7 +68,8 @@ def sequence_distribution(target, prompt, n_new, temperature, V=16):
         rows = torch.tensor([prompt + s for s in seqs])
         target.setup_caches(len(rows), rows.shape[1])
         with torch.no_grad():
-            p = probs_from_logits(target(rows, torch.arange(rows.shape[1]))[:, -1], temperature)  # (rows, V)
+            logits, _ = target(rows, torch.arange(rows.shape[1]))
+            p = probs_from_logits(logits[:, -1], temperature)  # (rows, V)
         probs = (probs[:, None] * p.double()).flatten()
         seqs = [s + [t] for s in seqs for t in range(V)]
     target.setup_caches(1, 64)

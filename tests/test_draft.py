@@ -9,9 +9,10 @@ import torch.nn.functional as F
 import model as M
 import train_vat as TV
 from decode import generate
-from draft import (DFlash, DFlashDrafter, Eagle3, Eagle3Drafter, dflash_mask, dflash_target_layers,
+from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers,
                    eagle3_target_layers, load_draft, save_draft, ttt_mask)
 from verify import Verifier
+from tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,8 @@ def test_dflash_mask_context_before_anchor_and_own_block():
 
 def test_eagle3_index_convention():
     assert eagle3_target_layers(32) == (2, 16, 29)
-    assert dflash_target_layers(36, 5) == [1, 9, 17, 25, 33]
+    # DFlash's rule picks the outputs of layers 1, 9, 17, 25, 33: hidden states 2, 10, ..., 34
+    assert dflash_target_layers(36, 5) == (2, 10, 18, 26, 34)
 
 
 def test_eagle3_training_forward_equals_inference_chain(target):
@@ -87,7 +89,7 @@ def test_eagle3_training_forward_equals_inference_chain(target):
     seq = torch.randint(0, 97, (14,)).tolist()
     t, K = 6, 5  # draft from base position t: the prompt is seq[:t+2]
     g = torch.Generator().manual_seed(0)
-    drafter = Eagle3Drafter(net, target.embed_tokens, 128, temperature=1.0, generator=g)
+    drafter = Eagle3Draft(net, target.embed_tokens, 128, temperature=1.0, generator=g)
     prompt = seq[:t + 2]
     drafter.start(prompt, features(target, torch.tensor([prompt[:-1]]), layers)[0])
     tokens, q = drafter.propose(K)
@@ -100,11 +102,11 @@ def test_eagle3_training_forward_equals_inference_chain(target):
 
 def test_dflash_training_forward_equals_inference(target):
     net = dflash_net(target)
-    layers = tuple(i + 1 for i in net.target_layer_ids)
+    layers = net.target_layers
     torch.manual_seed(2)
     seq = torch.randint(0, 96, (20,)).tolist()
     a = 9  # the anchor: context is positions 0..8
-    drafter = DFlashDrafter(net, target.embed_tokens, target.lm_head, 128, temperature=1.0,
+    drafter = DFlashDraft(net, target.embed_tokens, target.lm_head, 128, temperature=1.0,
                             generator=torch.Generator().manual_seed(0))
     drafter.start(seq[:a + 1], features(target, torch.tensor([seq[:a]]), layers)[0])
     _, q = drafter.propose(net.block_size - 1)
@@ -162,8 +164,8 @@ def tiny_training(target, objective, steps, seed=0):
     for p in prompts:
         out = generate(target, p, max_new_tokens=26)["tokens"]
         data.append((p + out, len(p), "prompt"))
-    args = argparse.Namespace(draft="eagle3", objective=objective, vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0, ttt_steps=4,
-                              layers=eagle3_target_layers(target.args.n_layer))
+    args = argparse.Namespace(draft="eagle3", objective=objective, vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0,
+                              ttt_steps=4)
     net = eagle3_net(target, draft_vocab=97).train()
     net.d2t.zero_()
     net.t2d.fill_(True)
@@ -171,13 +173,13 @@ def tiny_training(target, objective, steps, seed=0):
     stream = TV.batches(data, 16, 32, __import__("random").Random(0))
     target.setup_caches(16, 40)
     batch = next(stream)
-    _, before = TV.draft_batch_loss(net, target, batch, args, net.draft_to_target())
+    _, before = TV.eagle3_loss(net, target, batch, args)
     for _ in range(steps):
-        loss, _ = TV.draft_batch_loss(net, target, next(stream), args, net.draft_to_target())
+        loss, _ = TV.eagle3_loss(net, target, next(stream), args)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    _, after = TV.draft_batch_loss(net, target, batch, args, net.draft_to_target())
+    _, after = TV.eagle3_loss(net, target, batch, args)
     target.setup_caches(1, 128)
     return net.eval(), before, after, prompts
 
@@ -191,11 +193,11 @@ def test_tiny_training_raises_simulated_tau_and_decodes_exactly(tiny_dir):
     # greedy speculative decoding with the trained draft is plain greedy decoding, with tau > 1
     prompt = prompts[0]
     plain = generate(target, prompt, max_new_tokens=30)
-    drafter = Eagle3Drafter(net, target.embed_tokens, 128)
+    drafter = Eagle3Draft(net, target.embed_tokens, 128)
     spec = generate(target, prompt, drafter, Verifier("greedy"), k=4, max_new_tokens=30)
     assert spec["tokens"] == plain["tokens"] and spec["tau"] > 1.2
     # early exit at a threshold no head reaches drafts nothing and still decodes exactly
-    never = Eagle3Drafter(net, target.embed_tokens, 128, early_exit=1.01)
+    never = Eagle3Draft(net, target.embed_tokens, 128, early_exit=1.01)
     out = generate(target, prompt, never, Verifier("greedy"), k=4, max_new_tokens=30)
     assert out["tokens"] == plain["tokens"] and out["tau"] == 1.0
     assert out["drafted_tokens"] == 0 and out["early_exit_saved"] == sum(min(4, 30 - i - 1) for i in range(30))
@@ -205,7 +207,7 @@ def test_dflash_greedy_speculative_equals_plain(target):
     net = dflash_net(target)
     prompt = [7, 7, 2, 9, 4]
     plain = generate(target, prompt, max_new_tokens=25)
-    drafter = DFlashDrafter(net, target.embed_tokens, target.lm_head, 128)
+    drafter = DFlashDraft(net, target.embed_tokens, target.lm_head, 128)
     spec = generate(target, prompt, drafter, Verifier("greedy"), k=5, max_new_tokens=25)
     assert spec["tokens"] == plain["tokens"]
 
@@ -247,7 +249,7 @@ def test_eagle3_release_layout_round_trips(target, tmp_path, fmt):
     feats = features(target, torch.tensor([prompt[:-1]]), layers)[0]
     outs = []
     for net in (original, loaded, again):
-        d = Eagle3Drafter(net, target.embed_tokens, 128, temperature=1.0,
+        d = Eagle3Draft(net, target.embed_tokens, 128, temperature=1.0,
                           generator=torch.Generator().manual_seed(0))
         d.start(prompt, feats)
         outs.append(d.propose(4))
@@ -260,7 +262,8 @@ def test_dflash_release_layout_round_trips(target, tmp_path):
     path = tmp_path / "dflash"
     save_draft(net, path, target.args, dtype=torch.float32)
     config = json.loads((path / "config.json").read_text())
-    assert config["block_size"] == 6 and config["dflash_config"]["target_layer_ids"] == net.target_layer_ids
+    assert config["block_size"] == 6
+    assert config["dflash_config"]["target_layer_ids"] == [i - 1 for i in net.target_layers]  # layer outputs
     from safetensors import safe_open
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
@@ -268,11 +271,11 @@ def test_dflash_release_layout_round_trips(target, tmp_path):
     kind, loaded = load_draft(path, target)
     assert kind == "dflash"
     prompt = [4, 4, 8, 15, 16, 23, 42]
-    layers = tuple(i + 1 for i in net.target_layer_ids)
+    layers = net.target_layers
     feats = features(target, torch.tensor([prompt[:-1]]), layers)[0]
     outs = []
     for n in (net, loaded):
-        d = DFlashDrafter(n, target.embed_tokens, target.lm_head, 128)
+        d = DFlashDraft(n, target.embed_tokens, target.lm_head, 128)
         d.start(prompt, feats)
         outs.append(d.propose(5))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
@@ -316,7 +319,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     cache = list((tmp_path / "cache").glob("responses-*.pt"))
     assert len(cache) == 1
     # each sequence keeps its prompt's text, so held-out prompts are evaluated as written
-    target_tok = M.load_tokenizer(tmp_path / "target")
+    target_tok = load_tokenizer(tmp_path / "target")
     written = {f"question {i} about numbers" for i in range(10)}
     for ids, start, text in torch.load(cache[0]):
         assert text in written and ids[:start] == target_tok.encode_chat([{"role": "user", "content": text}])
@@ -339,15 +342,13 @@ def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, 
             M.pack_for_cpu(target)
         target.setup_caches(2, 40)
         net = (eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=4)).train()
-        args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0, ttt_steps=3,
-                                  blocks_per_seq=2, layers=eagle3_target_layers(target.args.n_layer) if kind == "eagle3"
-                                  else tuple(i + 1 for i in net.target_layer_ids))
+        args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0,
+                                  ttt_steps=3, blocks_per_seq=2)
         torch.manual_seed(0)  # the same tokens and DFlash anchors both times
         tokens = torch.randint(0, 96, (2, 24))
         mask = torch.zeros(2, 24)
         mask[:, 6:] = 1
-        loss, _ = TV.draft_batch_loss(net, target, (tokens, mask), args,
-                                      net.draft_to_target() if kind == "eagle3" else None)
+        loss, _ = TV.DraftLoss(net, target, args)(tokens, mask)
         loss.backward()
         assert all(p.grad is None for p in target.parameters())  # the target stays frozen
         grads.append({n: p.grad for n, p in net.named_parameters()})
@@ -362,20 +363,19 @@ def test_offline_feature_cache_gives_the_on_the_fly_loss(tiny_dir, tmp_path, kin
     target = M.load_model(tiny_dir("qwen3_untied"))
     target.setup_caches(3, 40)
     net = eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=4)
-    args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0, ttt_steps=3, blocks_per_seq=2,
-                              layers=eagle3_target_layers(target.args.n_layer) if kind == "eagle3"
-                              else tuple(i + 1 for i in net.target_layer_ids),
-                              target="tiny", seq_len=32, batch_size=3, cache_dir=str(tmp_path))
+    args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0,
+                              ttt_steps=3, blocks_per_seq=2, target="tiny", seq_len=32, batch_size=3,
+                              cache_dir=str(tmp_path))
     torch.manual_seed(0)
     data = [(torch.randint(0, 96, (n,)).tolist(), 4, "prompt") for n in (20, 28, 36, 12, 25)]
-    cache = TV.feature_cache(target, data, args)
-    assert len(list(tmp_path.glob("features-*.pt"))) == 1 and TV.feature_cache(target, data, args)[0][0].dtype == torch.bfloat16
+    cache = TV.feature_cache(target, data, net.target_layers, args)
+    assert len(list(tmp_path.glob("features-*.pt"))) == 1
+    assert TV.feature_cache(target, data, net.target_layers, args)[0][0].dtype == torch.bfloat16
     tokens, mask, feats, final = next(TV.batches(data, 3, 32, random.Random(0), cache))
-    ids = net.draft_to_target() if kind == "eagle3" else None
     torch.manual_seed(1)
-    fly, _ = TV.draft_batch_loss(net, target, (tokens, mask), args, ids)
+    fly, _ = TV.DraftLoss(net, target, args)(tokens, mask)
     torch.manual_seed(1)
-    cached, _ = TV.draft_batch_loss(net, target, (tokens, mask, feats, final), args, ids)
+    cached, _ = TV.DraftLoss(net, target, args)(tokens, mask, feats, final)
     assert cached.item() == pytest.approx(fly.item(), rel=2e-2)
 
 
@@ -447,7 +447,7 @@ def test_eagle3_reads_the_layer_ids_its_config_names(target, tmp_path, where):
                                              where == "eagle_config" else {"eagle_aux_hidden_state_layer_ids": ids}))
     _, loaded = load_draft(path, target)
     assert loaded.target_layers == (1, 2, 3) != net.target_layers
-    drafter = Eagle3Drafter(loaded, target.embed_tokens, 128)
+    drafter = Eagle3Draft(loaded, target.embed_tokens, 128)
     assert drafter.target_layers == (1, 2, 3)
     prompt = [5, 6, 7, 8, 9]
     plain = generate(target, prompt, max_new_tokens=12)
@@ -466,7 +466,7 @@ def test_dflash_settings_at_the_top_level_and_a_missing_mask_id(target, tmp_path
         c.update(target_layer_ids=[0, 1], mask_token_id=dc["mask_token_id"] - 1)
     edit_checkpoint(path, to_top)
     _, loaded = load_draft(path, target)
-    assert loaded.target_layer_ids == [0, 1] != net.target_layer_ids
+    assert loaded.target_layers == (1, 2) != net.target_layers  # outputs of layers 0 and 1
     assert loaded.mask_token_id == net.mask_token_id - 1
     edit_checkpoint(path, lambda c: c.pop("mask_token_id"))
     with pytest.raises(M.CheckpointError, match="names no mask_token_id"):
@@ -482,14 +482,14 @@ def test_dflash_settings_at_the_top_level_and_a_missing_mask_id(target, tmp_path
 def test_eagle3_drafts_from_a_one_token_prompt(target):
     net = eagle3_net(target)
     plain = generate(target, [11], max_new_tokens=10)
-    drafter = Eagle3Drafter(net, target.embed_tokens, 128)
+    drafter = Eagle3Draft(net, target.embed_tokens, 128)
     out = generate(target, [11], drafter, Verifier("greedy"), k=3, max_new_tokens=10)
     assert out["tokens"] == plain["tokens"] and out["drafted_tokens"] > 0
 
 
 def test_dflash_block_cap_is_not_counted_as_early_exit(target):
     net = dflash_net(target, block=4)  # at most 3 tokens a block
-    drafter = DFlashDrafter(net, target.embed_tokens, target.lm_head, 128)
+    drafter = DFlashDraft(net, target.embed_tokens, target.lm_head, 128)
     out = generate(target, [7, 7, 2, 9, 4], drafter, Verifier("greedy"), k=6, max_new_tokens=20)
     # k = 6 asks for more than a block holds: the 3 it cannot draft are not positions an early exit saved
     assert out["early_exit_saved"] == 0

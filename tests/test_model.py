@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import model as M
+from tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +37,8 @@ def test_logits_match_transformers(tiny_dir, kind, shard, pack):
     tokens = torch.randint(0, 97, (4, 80))  # past original_max_position_embeddings=32: llama3 scaling matters
     with torch.no_grad():
         expected = hf_model(path)(tokens).logits
-        got = ours(path, pack=pack)(tokens, torch.arange(80))
+        got, hidden = ours(path, pack=pack)(tokens, torch.arange(80))
+        assert hidden == []  # none asked for
     assert (got - expected).abs().max().item() < 1e-4
 
 
@@ -59,24 +61,24 @@ def test_kv_cache_incremental_equals_full_and_rewinds(tiny_dir, pack):
     m = ours(tiny_dir("qwen2_bias"), pack=pack)
     tokens = torch.randint(0, 97, (1, 40))
     with torch.no_grad():
-        full = m(tokens, torch.arange(40))
+        full, _ = m(tokens, torch.arange(40))
         m(tokens[:, :10], torch.arange(10))  # prefill, then one token at a time
-        steps = [m(tokens[:, i:i + 1], torch.tensor([i])) for i in range(10, 40)]
+        steps = [m(tokens[:, i:i + 1], torch.tensor([i]))[0] for i in range(10, 40)]
         assert (torch.cat(steps, 1) - full[:, 10:]).abs().max() < 1e-4
         # draft 8 wrong tokens at 20..27, rewind to 20 and decode the right ones: as a fresh run
         m(torch.randint(0, 97, (1, 8)), torch.arange(20, 28))
-        again = m(tokens[:, 20:30], torch.arange(20, 30))
+        again, _ = m(tokens[:, 20:30], torch.arange(20, 30))
         assert (again - full[:, 20:30]).abs().max() < 1e-4
 
 
 def test_default_target_matches_transformers(smollm2_dir):
-    tok = M.load_tokenizer(smollm2_dir)
+    tok = load_tokenizer(smollm2_dir)
     ids = tok.encode_chat([{"role": "user", "content": "List three prime numbers and explain why they are prime."}])
     hf = hf_model(smollm2_dir)
     m = ours(smollm2_dir, max_seq_len=256, pack=True)
     x = torch.tensor([ids])
     with torch.no_grad():
-        diff = (m(x, torch.arange(len(ids))) - hf(x).logits).abs().max().item()
+        diff = (m(x, torch.arange(len(ids)))[0] - hf(x).logits).abs().max().item()
         hf_out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
                              eos_token_id=None, pad_token_id=2)[0, len(ids):].tolist()
     assert diff < 1e-3  # 30 layers of fp32 with different (packed) matmul kernels

@@ -3,7 +3,8 @@ import json
 from pathlib import Path
 
 
-import model as M
+import tokenizer as T
+from tokenizer import load_tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It's what they'd've wanted, isn't it?",
@@ -32,17 +33,17 @@ def hf_oracle_smollm2(tokenizer_json: Path):
 
 
 def test_smollm2_encoding_equals_hf_bpe(smollm2_dir):
-    ours = M.load_tokenizer(smollm2_dir)
+    ours = load_tokenizer(smollm2_dir)
     oracle = hf_oracle_smollm2(smollm2_dir / "tokenizer.json")
     for text in TEXTS:
         assert ours.encode(text) == oracle.encode(text).ids, text
 
 
 def test_smollm2_missing_bytes_are_dropped_like_hf(smollm2_dir):
-    ours = M.load_tokenizer(smollm2_dir)
+    ours = load_tokenizer(smollm2_dir)
     oracle = hf_oracle_smollm2(smollm2_dir / "tokenizer.json")
     tj = json.loads((smollm2_dir / "tokenizer.json").read_text())
-    unicode_of = {b: c for c, b in M.gpt2_byte_decoder().items()}
+    unicode_of = {b: c for c, b in T.gpt2_byte_decoder().items()}
     missing = [b for b in range(256) if unicode_of[b] not in tj["model"]["vocab"]]
     assert len(missing) == 21
     # every missing byte that valid UTF-8 text can carry alone, between ordinary words
@@ -53,7 +54,7 @@ def test_smollm2_missing_bytes_are_dropped_like_hf(smollm2_dir):
 
 
 def test_smollm2_round_trip_and_chat_template(smollm2_dir):
-    tok = M.load_tokenizer(smollm2_dir)
+    tok = load_tokenizer(smollm2_dir)
     for text in TEXTS[:5] + TEXTS[7:]:  # [5] and [6] hold bytes the vocabulary cannot spell
         assert tok.decode(tok.encode(text)) == text
     ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
@@ -73,7 +74,7 @@ def test_qwen_vocabulary_loads_and_round_trips(tmp_path):
     d.mkdir()
     (d / "qwen.tiktoken").symlink_to(qwen_tiktoken_path())
     (d / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    tok = M.load_tokenizer(d)
+    tok = load_tokenizer(d)
     assert tok.n_vocab == 151669
     assert tok.specials["<|endoftext|>"] == 151643 and tok.specials["<|im_end|>"] == 151645
     assert tok.specials["<think>"] == 151667 and tok.specials["</think>"] == 151668
@@ -91,7 +92,7 @@ def test_hf_tokenizer_json_with_split_regex(tmp_path):
     from tokenizers.trainers import BpeTrainer
     hf = Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(M.QWEN2_REGEX), behavior="isolated"),
+        pre_tokenizers.Split(Regex(T.QWEN2_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     hf.decoder = decoders.ByteLevel()
     trainer = BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
@@ -99,7 +100,7 @@ def test_hf_tokenizer_json_with_split_regex(tmp_path):
     hf.train_from_iterator(TEXTS * 20, trainer)
     hf.save(str(tmp_path / "tokenizer.json"))
     hf.encode_special_tokens = True  # like ours: special-token strings in user text are plain text
-    tok = M.load_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
     assert tok.chat_format == "chatml"
     for text in TEXTS + ["unseen words: xylophone quartz 98765"]:
         assert tok.encode(text) == hf.encode(text, add_special_tokens=False).ids, text
@@ -114,7 +115,7 @@ def test_llama3_tiktoken_file_and_chat_template(tmp_path):
     (tmp_path / "original" / "tokenizer.model").write_text(
         "".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    tok = M.load_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
     n = len(ranks)
     assert tok.specials["<|begin_of_text|>"] == n and tok.specials["<|eot_id|>"] == n + 9
     assert tok.specials["<|reserved_special_token_247|>"] == n + 255 and tok.n_vocab == n + 256
