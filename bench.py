@@ -38,9 +38,20 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from decode import (DEFAULT_DRAFTS, build_draft, compile_step, default_device, generate, load_target,
-                    prompt_text, repo_path, repo_relative, wants_compile)
-from sandbox import SandboxError, check as check_sandbox, run_untrusted
+from decode import (
+    DEFAULT_DRAFTS,
+    build_draft,
+    compile_step,
+    default_device,
+    generate,
+    load_target,
+    prompt_text,
+    repo_path,
+    repo_relative,
+    wants_compile,
+)
+from sandbox import SandboxError, run_untrusted
+from sandbox import check as check_sandbox
 from verify import VERIFIERS, Verifier
 
 ROOT = Path(__file__).resolve().parent

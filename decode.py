@@ -23,10 +23,17 @@ from pathlib import Path
 import torch
 
 import model as M
-from draft import DFlashDraft, Eagle3Draft, LookupDraft, ModelDraft, NoDraft, draft_kind, load_draft
-from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
+from draft import (
+    DFlashDraft,
+    Eagle3Draft,
+    LookupDraft,
+    ModelDraft,
+    NoDraft,
+    draft_kind,
+    load_draft,
+)
 from tokenizer import load_tokenizer
-
+from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
 
 ROOT = Path(__file__).resolve().parent
 

@@ -40,8 +40,19 @@ from tqdm import tqdm
 
 import model as M
 from decode import default_device, generate, read_prompts, repo_path
-from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers,
-                   eagle3_target_layers, load_draft, replace_directory, ttt_mask, write_draft_files)
+from draft import (
+    DFlash,
+    DFlashDraft,
+    Eagle3,
+    Eagle3Draft,
+    dflash_mask,
+    dflash_target_layers,
+    eagle3_target_layers,
+    load_draft,
+    replace_directory,
+    ttt_mask,
+    write_draft_files,
+)
 from tokenizer import load_tokenizer
 from verify import Verifier, probs_from_logits, sample
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_bwrap
 
 import bench
 import model as M
-from conftest import needs_bwrap
 
 ROOT = Path(__file__).resolve().parent.parent
 

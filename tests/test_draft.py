@@ -9,10 +9,20 @@ import torch.nn.functional as F
 import model as M
 import train_vat as TV
 from decode import generate
-from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers,
-                   eagle3_target_layers, load_draft, save_draft, ttt_mask)
-from verify import Verifier
+from draft import (
+    DFlash,
+    DFlashDraft,
+    Eagle3,
+    Eagle3Draft,
+    dflash_mask,
+    dflash_target_layers,
+    eagle3_target_layers,
+    load_draft,
+    save_draft,
+    ttt_mask,
+)
 from tokenizer import load_tokenizer
+from verify import Verifier
 
 
 @pytest.fixture(scope="module")

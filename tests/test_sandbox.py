@@ -5,8 +5,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import needs_bwrap
+
 from sandbox import run_untrusted
 
 pytestmark = needs_bwrap

@@ -2,7 +2,6 @@
 import json
 from pathlib import Path
 
-
 import tokenizer as T
 from tokenizer import load_tokenizer
 
@@ -88,7 +87,7 @@ def test_qwen_vocabulary_loads_and_round_trips(tmp_path):
 
 def test_hf_tokenizer_json_with_split_regex(tmp_path):
     """A Qwen/LLaMA-3 style tokenizer.json (explicit Split regex + ByteLevel) against HF itself."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, Regex
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.trainers import BpeTrainer
     hf = Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.Sequence([
