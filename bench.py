@@ -38,20 +38,9 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from decode import (
-    DEFAULT_DRAFTS,
-    build_draft,
-    compile_step,
-    default_device,
-    generate,
-    load_target,
-    prompt_text,
-    repo_path,
-    repo_relative,
-    wants_compile,
-)
-from sandbox import SandboxError, run_untrusted
-from sandbox import check as check_sandbox
+from decode import (DEFAULT_DRAFTS, build_draft, check_prompt, compile_step, default_device, generate,
+                    load_target, prompt_text, read_jsonl, repo_path, repo_relative, wants_compile)
+from sandbox import SandboxError, check_sandbox, run_untrusted
 from verify import VERIFIERS, Verifier
 
 ROOT = Path(__file__).resolve().parent
@@ -74,24 +63,19 @@ def load_prompts(path: Path, categories, limit: int | None) -> list:
     if not path.is_file():
         raise ValueError(f"prompt file not found: {path} (pass --prompt-file)")
     out, per_category = [], {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for number, record in read_jsonl(path):
         category = record.get("category", "all")
-        if categories and category not in categories:
-            continue
-        if limit is not None and per_category.get(category, 0) >= limit:
+        if categories and category not in categories or per_category.get(category, 0) >= (limit or math.inf):
             continue
         per_category[category] = per_category.get(category, 0) + 1
-        out.append((category, prompt_text(record)))
+        out.append((category, check_prompt(prompt_text(record), f"{path} line {number}")))
     if not out:
         raise ValueError(f"no prompts selected from {path}")
     return out
 
 
 def gsm8k_problems(limit: int) -> list:
-    rows = [json.loads(line) for line in (DATA / "gsm8k_test.jsonl").read_text().splitlines()[:limit]]
+    rows = [r for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")][:limit]
     return [{"prompt": r["question"] + "\nSolve it step by step and end with 'The answer is N.'",
              "answer": r["answer"].split("####")[-1].strip().replace(",", "")} for r in rows]
 
@@ -308,6 +292,7 @@ def quality_runs(args, target, tokenizer, dtype, generator):
                                            "target_forwards": r["target_forwards"]})
         for label, res in results.items():
             n = len(problems)
+            # block efficiency: the lossy-verification paper's name for tau, kept in its experiment
             res.update(n=n, accuracy=res["correct"] / n, ci95=wilson(res["correct"], n),
                        block_efficiency=res["new"] / max(res["forwards"], 1),
                        family=Verifier(label.split()[0]).family if label != "plain sampling" else "plain")
@@ -648,7 +633,7 @@ def main(argv=None):
                    "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
                    "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version()},
         "speed": summary, "quality": quality, "decode_table": table, "plots": [shown(p) for p in images],
-        "runs": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for name, rs in records.items()},
+        "runs": records,  # every run on every prompt, its tokens included
     }
     out = write_results(out, result)
     speedups = {n: s["speedup_median"] for n, s in summary.items() if not n.startswith(("baseline", "transformers"))}

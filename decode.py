@@ -23,15 +23,7 @@ from pathlib import Path
 import torch
 
 import model as M
-from draft import (
-    DFlashDraft,
-    Eagle3Draft,
-    LookupDraft,
-    ModelDraft,
-    NoDraft,
-    draft_kind,
-    load_draft,
-)
+from draft import DFlashDraft, Eagle3Draft, LookupDraft, ModelDraft, NoDraft, draft_kind, load_draft
 from tokenizer import load_tokenizer
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
 
@@ -204,6 +196,25 @@ def repo_relative(path) -> str:
     return str(p.resolve().relative_to(ROOT)) if p.is_absolute() and p.resolve().is_relative_to(ROOT) else str(path)
 
 
+def read_jsonl(path) -> list:
+    """[(line number, record)] of a jsonl file, skipping blank lines; a bad line is a one-line error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"file not found: {path}")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {number} is not valid JSON: {e}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path} line {number} is not a JSON object")
+        records.append((number, record))
+    return records
+
+
 def read_prompts(path) -> list:
     """The prompts of a text file (the whole file is one) or a jsonl (one per record)."""
     path = Path(path)
@@ -212,17 +223,7 @@ def read_prompts(path) -> list:
     if path.suffix != ".jsonl":
         prompts = [path.read_text()]
     else:
-        prompts = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {number} is not valid JSON: {e}") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path} line {number} is not a JSON object")
-            prompts.append(check_prompt(prompt_text(record), f"{path} line {number}"))
+        prompts = [check_prompt(prompt_text(r), f"{path} line {n}") for n, r in read_jsonl(path)]
     if not prompts or not all(p.strip() for p in prompts):
         raise ValueError(f"{path} holds no prompt" if not prompts else f"{path} is empty")
     return prompts

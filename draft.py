@@ -291,12 +291,12 @@ class DFlashLayer(nn.Module):
     def forward(self, block, ctx, cos, sin, mask, ctx_kv=None):
         """block (B, nq, dim) after ctx (B, nc, dim); cos/sin for cat(ctx, block) positions.
         ctx_kv: earlier context keys/values to put in front (inference cache), or None."""
-        nc = ctx.shape[1]
-        q, k, v = self.self_attn.project(torch.cat([ctx, self.input_layernorm(block)], 1), cos, sin)
+        n_context = ctx.shape[1]
+        queries, keys, values = self.self_attn.project(torch.cat([ctx, self.input_layernorm(block)], 1), cos, sin)
         if ctx_kv is not None:
-            k, v = torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2)
-        h = block + self.self_attn.attend(q[:, :, nc:], k, v, mask)
-        return h + self.mlp(self.post_attention_layernorm(h)), (k, v)
+            keys, values = torch.cat([ctx_kv[0], keys], 2), torch.cat([ctx_kv[1], values], 2)
+        h = block + self.self_attn.attend(queries[:, :, n_context:], keys, values, mask)  # only the block queries
+        return h + self.mlp(self.post_attention_layernorm(h)), (keys, values)
 
 
 class DFlash(nn.Module):

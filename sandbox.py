@@ -118,7 +118,7 @@ def run_untrusted(source: str, timeout: float = 10.0, memory_bytes: int = 2 << 3
     return Result(proc.returncode, out.decode(errors="replace"), stderr, timed_out)
 
 
-def check():
+def check_sandbox():
     """Fail now, with the reason, if the sandbox cannot run here (before hours of generation)."""
     r = run_untrusted("print('ok')", timeout=30)
     if r.stdout.strip() != "ok":

@@ -28,18 +28,17 @@ QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_s
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
                    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+LLAMA3_N_SPECIAL = 256
 STOP_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
 
 
 def gpt2_byte_decoder() -> dict:
     """Byte-level BPE writes each byte as a printable unicode character; this maps them back."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    for b in range(256):
-        if b not in bs:  # unprintable bytes go to 256, 257, ... in byte order
-            bs.append(b)
-            cs.append(256 + len(cs) - 188)
-    return {chr(c): b for b, c in zip(bs, cs)}
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))  # 188 bytes that stand for themselves
+    unprintable = [b for b in range(256) if b not in printable]
+    chars = {b: b for b in printable} | {b: 256 + i for i, b in enumerate(unprintable)}  # the rest: 256, 257, ...
+    return {chr(c): b for b, c in chars.items()}
 
 
 @dataclass
@@ -111,7 +110,7 @@ def tokenizer_from_hf_json(path: Path) -> Tokenizer:
     n_vocab = max(list(model["vocab"].values()) + list(specials.values())) + 1
     # tiktoken needs every single byte to have a rank; give missing bytes filler ranks past the
     # vocabulary (they can never merge with anything) and drop them after encoding, as HF does
-    filler = n_vocab + len(specials) + 1000
+    filler = n_vocab + len(specials) + 1  # any rank past every real one would do
     for b in range(256):
         if bytes([b]) not in ranks:
             ranks[bytes([b])] = filler
@@ -141,8 +140,10 @@ def tokenizer_from_tiktoken_file(path: Path, family: str) -> Tokenizer:
             tok, rank = line.split()
             ranks[base64.b64decode(tok)] = int(rank)
     n = len(ranks)
-    if family == "llama3":
-        names = LLAMA3_SPECIALS + [f"<|reserved_special_token_{i}|>" for i in range(3, 256 - len(LLAMA3_SPECIALS) + 3)]
+    if family == "llama3":  # 256 special ids: the named ones, then reserved_special_token_3, _4, ...
+        first_reserved = 3  # 0..2 are among the named ones
+        names = LLAMA3_SPECIALS + [f"<|reserved_special_token_{first_reserved + i}|>"
+                                   for i in range(LLAMA3_N_SPECIAL - len(LLAMA3_SPECIALS))]
         pattern = LLAMA3_REGEX
     else:
         names = QWEN3_SPECIALS

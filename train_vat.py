@@ -40,19 +40,8 @@ from tqdm import tqdm
 
 import model as M
 from decode import default_device, generate, read_prompts, repo_path
-from draft import (
-    DFlash,
-    DFlashDraft,
-    Eagle3,
-    Eagle3Draft,
-    dflash_mask,
-    dflash_target_layers,
-    eagle3_target_layers,
-    load_draft,
-    replace_directory,
-    ttt_mask,
-    write_draft_files,
-)
+from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers,
+                   eagle3_target_layers, load_draft, replace_directory, ttt_mask, write_draft_files)
 from tokenizer import load_tokenizer
 from verify import Verifier, probs_from_logits, sample
 
@@ -141,9 +130,12 @@ def objective(draft_logits, head_logits, target_logp, valid, args, native: str, 
         head_loss = (head * valid_f).sum() / valid_f.sum().clamp_min(1)
         loss = loss + args.beta * head_loss
     chains = valid[:, 0].bool()  # chains that start inside the response
+    n_valid = valid_f.sum().clamp_min(1).item()
     stats = {"loss": loss.item(), "head_loss": head_loss.item(),
              "sim_tau": (kstar[chains].float().mean().item() if chains.any() else 1.0),  # k*-1 kept + bonus
-             "head_acc": (((head_logits > 0) == labels).float() * valid_f).sum().item() / valid_f.sum().clamp_min(1).item()}
+             "head_acc": (((head_logits > 0) == labels).float() * valid_f).sum().item() / n_valid,
+             # the share of positions labelled "kept": a constant head scores max(this, 1 - this)
+             "kept_share": (labels.float() * valid_f).sum().item() / n_valid}
     return loss, stats
 
 

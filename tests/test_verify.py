@@ -2,14 +2,7 @@
 import pytest
 import torch
 
-from verify import (
-    VERIFIERS,
-    Verifier,
-    acceptance_probability,
-    induced,
-    probs_from_logits,
-    verify,
-)
+from verify import VERIFIERS, Verifier, acceptance_probability, induced, probs_from_logits, verify
 
 V = 8
 N = 200_000  # samples per case: the bound below is 5 standard errors per token
