@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -167,11 +168,21 @@ def draft_label(spec: str) -> str:
     return name + ("" if early_exit is None else " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}"))
 
 
-def make_draft(spec, target, tokenizer, temperature, device, dtype, generator):
+def make_draft(spec, target, tokenizer, temperature, generator):
     """A draft spec as decode.py takes it, optionally suffixed @ee (or @ee<threshold>) for early exit."""
     base, early_exit = split_early_exit(spec)
-    ns = argparse.Namespace(temperature=temperature, top_p=1.0, pack=True, early_exit=early_exit)
-    return build_draft(base, target, tokenizer, ns, device, dtype, generator)
+    return build_draft(base, target, tokenizer, temperature=temperature, generator=generator, early_exit=early_exit)
+
+
+@dataclass
+class Run:
+    """One configuration of the speed table: ours (a draft and a verifier, or plain decoding when
+    draft is None) or a transformers peer (a function of the prompt ids)."""
+    name: str
+    temperature: float
+    draft: object = None
+    verifier: Verifier = Verifier("greedy")
+    peer: object = None
 
 
 def hf_peer(target_dir, kind: str, k: int):
@@ -194,60 +205,64 @@ def hf_peer(target_dir, kind: str, k: int):
     return run
 
 
-def speed_runs(args, target, tokenizer, dtype, generator):
-    """Every draft x verifier x temperature and the baseline, interleaved prompt by prompt."""
-    stop_ids = tokenizer.stop_ids
-    runs = {}  # name -> (temperature, function(ids) -> result)
+def speed_runs(args, target, tokenizer, generator):
+    """Every draft x verifier x temperature and the baseline, interleaved prompt by prompt.
+    Returns {run name: [one result per prompt]} and {run name: temperature}."""
+    runs = []
     for temperature in args.temperatures:
-        runs[f"baseline T={temperature:g}"] = (temperature, None)
+        runs.append(Run(f"baseline T={temperature:g}", temperature))
         for spec in args.drafts:
-            draft = make_draft(spec, target, tokenizer, temperature, args.device, dtype, generator)
+            draft = make_draft(spec, target, tokenizer, temperature, generator)
             for name in args.verifiers:
                 if name == "greedy" and temperature > 0:
                     continue
                 if name == "lossless" and temperature == 0 and "greedy" in args.verifiers:
                     continue  # at T=0 lossless keeps exactly what greedy keeps: the run would repeat it
-                runs[f"{draft_label(spec)} {name} T={temperature:g}"] = (temperature, (draft, Verifier(name)))
+                runs.append(Run(f"{draft_label(spec)} {name} T={temperature:g}", temperature, draft, Verifier(name)))
         if args.peers:
             target_dir = M.resolve_model(args.target)
             for kind, label in (("generate", "transformers generate"), ("assisted", "transformers assisted lookup")):
-                runs[f"{label} T={temperature:g}"] = (temperature, hf_peer(target_dir, kind, args.num_draft_tokens))
+                runs.append(Run(f"{label} T={temperature:g}", temperature,
+                                peer=hf_peer(target_dir, kind, args.num_draft_tokens)))
 
-    def run(name, ids):
-        temperature, how = runs[name]
+    def timed(run: Run, ids):
         reset_peak_memory(args.device)
-        if callable(how):
-            r = how(ids, args.max_new_tokens, temperature, stop_ids)
+        if run.peer is not None:
+            r = run.peer(ids, args.max_new_tokens, run.temperature, tokenizer.stop_ids)
         else:
-            draft, verifier = how or (None, Verifier("greedy"))
-            r = generate(target, ids, draft, verifier, args.num_draft_tokens if draft else 0, args.max_new_tokens,
-                         temperature, 1.0, stop_ids, generator, step_fn=args.step_fn)
+            r = generate(target, ids, run.draft, run.verifier, k=args.num_draft_tokens if run.draft else 0,
+                         max_new_tokens=args.max_new_tokens, temperature=run.temperature,
+                         stop_ids=tokenizer.stop_ids, generator=generator, step_fn=args.step_fn)
         return {**r, "peak_memory_mb": peak_memory_mb(args.device)}
 
     prompts = load_prompts(repo_path(args.prompt_file), args.categories, args.limit)
     encoded = [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
     for _, ids in encoded[:args.warmup]:
-        for name in runs:
-            run(name, ids)
-    records = {name: [] for name in runs}
+        for run in runs:
+            timed(run, ids)
+    records = {run.name: [] for run in runs}
     for i, (category, ids) in enumerate(tqdm(encoded, desc="speed runs (prompts)", file=sys.stderr)):
-        for name in runs:  # every configuration on this prompt before the next prompt
-            r = run(name, ids)
-            r.update(prompt=i, category=category)
-            records[name].append(r)
+        for run in runs:  # every configuration on this prompt before the next prompt
+            records[run.name].append({**timed(run, ids), "prompt": i, "category": category})
+    return records, {run.name: run.temperature for run in runs}
+
+
+def summarize(records: dict, temperatures: dict) -> dict:
+    """Per run: median tokens/s and speedup over the plain baseline at its temperature (with IQRs),
+    tau overall and per category, acceptance by draft position, draft time, memory."""
     summary = {}
     for name, rs in records.items():
-        base = records[f"baseline T={runs[name][0]:g}"]
+        base = records[f"baseline T={temperatures[name]:g}"]
         lo, med, hi = quartiles([r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base)])
         tps = quartiles([r["tokens_per_s"] for r in rs])
-        ours = [r for r in rs if r["target_forwards"]]
+        ours = [r for r in rs if r["target_forwards"]]  # the peers count no forwards
         per_category = {}
         for r in ours:
             c = per_category.setdefault(r["category"], [0, 0])
             c[0], c[1] = c[0] + r["new_tokens"], c[1] + r["target_forwards"]
         k = max((len(r["accepted_per_position"]) for r in rs), default=0)
         summary[name] = {
-            "temperature": runs[name][0],
+            "temperature": temperatures[name],
             "tokens_per_s_median": tps[1], "tokens_per_s_iqr": [tps[0], tps[2]],
             "speedup_median": med, "speedup_iqr": [lo, hi],
             "tau": sum(r["new_tokens"] for r in ours) / sum(r["target_forwards"] for r in ours) if ours else None,
@@ -255,19 +270,18 @@ def speed_runs(args, target, tokenizer, dtype, generator):
             "acceptance_per_position": [statistics.mean(r["accepted_per_position"][i] for r in rs
                                                         if len(r["accepted_per_position"]) > i) for i in range(k)],
             "draft_time_fraction": sum(r["draft_seconds"] for r in rs) / sum(r["seconds"] for r in rs),
-            "drafted_tokens": sum(r.get("drafted_tokens", 0) for r in rs),
-            "early_exit_saved": sum(r.get("early_exit_saved", 0) for r in rs),
+            "drafted_tokens": sum(r["drafted_tokens"] for r in rs),
+            "early_exit_saved": sum(r["early_exit_saved"] for r in rs),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in rs),
             "new_tokens": sum(r["new_tokens"] for r in rs),
             "target_forwards": sum(r["target_forwards"] or 0 for r in rs),
         }
-    return summary, records
+    return summary
 
 
-def quality_runs(args, target, tokenizer, dtype, generator):
+def quality_runs(args, target, tokenizer, generator):
     """The lossy-verifier sweep on GSM8K / HumanEval, every configuration on every problem."""
-    spec = args.quality_draft
-    draft = make_draft(spec, target, tokenizer, args.quality_temperature, args.device, dtype, generator)
+    draft = make_draft(args.quality_draft, target, tokenizer, args.quality_temperature, generator)
     configs = [("plain sampling", None, {})] + [(" ".join([n] + [f"{k}={v:g}" for k, v in p.items()]), n, p)
                                                 for n, p in SWEEP]
     out = {}
@@ -279,9 +293,9 @@ def quality_runs(args, target, tokenizer, dtype, generator):
             ids = tokenizer.encode_chat([{"role": "user", "content": problem["prompt"]}])
             for label, name, params in configs:
                 verifier = Verifier(name or "lossless", **params)
-                r = generate(target, ids, draft if name else None, verifier, args.num_draft_tokens if name else 0,
-                             args.quality_max_new_tokens, args.quality_temperature, 1.0, tokenizer.stop_ids, generator,
-                             step_fn=args.step_fn)
+                r = generate(target, ids, draft if name else None, verifier, k=args.num_draft_tokens if name else 0,
+                             max_new_tokens=args.quality_max_new_tokens, temperature=args.quality_temperature,
+                             stop_ids=tokenizer.stop_ids, generator=generator, step_fn=args.step_fn)
                 text = tokenizer.decode([t for t in r["tokens"] if t not in tokenizer.stop_ids])
                 ok = gsm8k_correct(text, problem["answer"]) if task == "gsm8k" else humaneval_passes(problem, text)
                 res = results[label]
@@ -571,23 +585,8 @@ def shown(value):
     return value
 
 
-def main(argv=None):
-    args = get_args(argv)
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    summary, records, quality = {}, {}, {}
-    if not args.speed_off or args.quality:
-        target, tokenizer = load_target(args.target, args.device, dtype, 4096, pack=not args.compile)
-        args.step_fn = compile_step(target) if args.compile else None
-        generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        if not args.speed_off:
-            summary, records = speed_runs(args, target, tokenizer, dtype, generator)
-        if args.quality:
-            quality = quality_runs(args, target, tokenizer, dtype, generator)
-        del target
-        args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
-    table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile,
-                               verify_k=(args.num_draft_tokens,)) if args.decode_table else []
-
+def print_report(args, summary: dict, quality: dict, table: list):
+    """The results as markdown tables on stdout."""
     print(f"\n{args.target} on {args.device} ({torch.get_num_threads()} threads), k={args.num_draft_tokens}, "
           f"{args.max_new_tokens} new tokens max\n")
     if summary:
@@ -601,12 +600,11 @@ def main(argv=None):
                   f"{s['peak_memory_mb']:.0f} MiB |")
     for task, results in quality.items():
         print(f"\n{task}, T={args.quality_temperature:g}, draft {draft_label(args.quality_draft)}\n")
-        print("| verifier | family | block efficiency | accuracy | 95% CI | n |")
+        print("| verifier | family | block efficiency (tau) | accuracy | 95% CI | n |")
         print("|---|---|---|---|---|---|")
         for label, r in results.items():
             print(f"| {label} | {r['family']} | {r['block_efficiency']:.2f} | {r['accuracy']:.3f} | "
                   f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | {r['n']} |")
-
     if table:
         print(f"\ndecode speed, random weights, {table[0]['dtype']}, copy bandwidth "
               f"{table[0]['bandwidth_gb_s']:.0f} GB/s\n")
@@ -615,10 +613,30 @@ def main(argv=None):
               + " | ".join(f"verify {n} tok" for n in ks) + " |")
         print("|---|---|---|---|---|---|---|" + "---|" * len(ks))
         for r in table:
+            costs = " | ".join(f"{v:.2f}x" for v in r["verify_cost"].values())
             print(f"| {r['target']} | {r['compile_mode'] or 'eager'} | {r['weight_gb_per_step']:.2f} GB | "
                   f"{r['floor_ms']:.2f} ms | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | "
-                  f"{100 * r['fraction_of_floor']:.0f}% | " + " | ".join(f"{v:.2f}x" for v in r["verify_cost"].values())
-                  + " |")
+                  f"{100 * r['fraction_of_floor']:.0f}% | {costs} |")
+
+
+def main(argv=None):
+    args = get_args(argv)
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    summary, records, quality = {}, {}, {}
+    if not args.speed_off or args.quality:
+        target, tokenizer = load_target(args.target, args.device, dtype, 4096, pack=not args.compile)
+        args.step_fn = compile_step(target) if args.compile else None
+        generator = torch.Generator(device=args.device).manual_seed(args.seed)
+        if not args.speed_off:
+            records, temperatures = speed_runs(args, target, tokenizer, generator)
+            summary = summarize(records, temperatures)
+        if args.quality:
+            quality = quality_runs(args, target, tokenizer, generator)
+        del target
+        args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
+    table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile,
+                               verify_k=(args.num_draft_tokens,)) if args.decode_table else []
+    print_report(args, summary, quality, table)
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     out = args.out
@@ -641,7 +659,7 @@ def main(argv=None):
     print(json.dumps({"results": str(out), "best": best, "best_speedup": speedups.get(best),
                       "tokens_per_s": {n: s["tokens_per_s_median"] for n, s in summary.items()},
                       "tau": {n: s["tau"] for n, s in summary.items() if s["tau"]},
-                      "quality": {t: {l: r["accuracy"] for l, r in rs.items()} for t, rs in quality.items()},
+                      "quality": {t: {lb: r["accuracy"] for lb, r in rs.items()} for t, rs in quality.items()},
                       "decode_tokens_per_s": {r["target"] + (" compiled" if r["compiled"] else ""): r["tokens_per_s"]
                                               for r in table}}))
 

@@ -240,9 +240,11 @@ EARLY_EXIT_DEFAULTS = {"eagle3": 0.5, "dflash": 0.6}  # the VAT paper's threshol
 DEFAULT_DRAFTS = {M.DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-vat"}
 
 
-def build_draft(spec: str, target, tokenizer, args, device, dtype, generator):
+def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: float = 1.0, generator=None,
+                early_exit=None, pack: bool = True):
     """--draft lookup | eagle3:PATH | dflash:PATH | a trained draft's directory (its config says
-    which) | NAME_OR_PATH of an independent model sharing the target's tokenizer."""
+    which) | NAME_OR_PATH of an independent model sharing the target's tokenizer. early_exit: a
+    threshold, 'auto' (the paper's), or None."""
     if spec == "lookup":
         return LookupDraft()
     kind, _, where = spec.partition(":") if spec.split(":")[0] in ("eagle3", "dflash") else ("", "", spec)
@@ -251,17 +253,18 @@ def build_draft(spec: str, target, tokenizer, args, device, dtype, generator):
         config = M.read_config(path)
         kind = draft_kind(config) if config.get("model_type") not in M.SUPPORTED or \
             "draft_vocab_size" in config or "dflash_config" in config else ""
+    sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
     if kind:
         found, net = load_draft(path, target)
         if found != kind:
             raise ValueError(f"{path} holds a {found} draft, not {kind}")
-        early_exit = getattr(args, "early_exit", None)
         early_exit = EARLY_EXIT_DEFAULTS[kind] if early_exit == "auto" else early_exit
-        common = dict(temperature=args.temperature, top_p=args.top_p, generator=generator, early_exit=early_exit)
         if kind == "eagle3":
-            return Eagle3Draft(net, target.embed_tokens, target.max_seq_len, **common)
-        return DFlashDraft(net, target.embed_tokens, target.lm_head, target.max_seq_len, **common)
-    draft_model = M.load_model(path, dtype=dtype, device=device)
+            return Eagle3Draft(net, target.embed_tokens, target.max_seq_len, early_exit=early_exit, **sampling)
+        return DFlashDraft(net, target.embed_tokens, target.lm_head, target.max_seq_len, early_exit=early_exit,
+                           **sampling)
+    weight = target.embed_tokens.weight
+    draft_model = M.load_model(path, dtype=weight.dtype, device=weight.device)
     if draft_model.args.vocab_size != target.args.vocab_size:
         raise ValueError(f"draft {spec} has a vocabulary of {draft_model.args.vocab_size} tokens, "
                          f"the target {target.args.vocab_size}: they must share a tokenizer")
@@ -269,9 +272,9 @@ def build_draft(spec: str, target, tokenizer, args, device, dtype, generator):
     if load_tokenizer(path).encode(probe) != tokenizer.encode(probe):
         raise ValueError(f"draft {spec} tokenizes text differently from the target")
     draft_model.setup_caches(1, target.max_seq_len)
-    if args.pack:
+    if pack:
         M.pack_for_cpu(draft_model)
-    return ModelDraft(draft_model, args.temperature, args.top_p, generator)
+    return ModelDraft(draft_model, **sampling)
 
 
 def get_args(argv=None):
@@ -387,7 +390,8 @@ def main(argv=None):
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     draft = None
     if args.verifier != "none":
-        draft = build_draft(args.draft, target, tokenizer, args, args.device, dtype, generator)
+        draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
+                            generator=generator, early_exit=args.early_exit, pack=args.pack)
     step_fn = compile_step(target) if compiled else target
 
     for text in prompts:
@@ -405,8 +409,9 @@ def main(argv=None):
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        result = generate(target, ids, draft, verifier, args.num_draft_tokens, args.max_new_tokens,
-                          args.temperature, args.top_p, stop_ids, generator, stream, step_fn)
+        result = generate(target, ids, draft, verifier, k=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, stop_ids=stop_ids, generator=generator,
+                          on_tokens=stream, step_fn=step_fn)
         sys.stdout.write(utf8.decode(b"", final=True) + "\n")
         sys.stdout.flush()
         print(summary_line(result, args, draft is not None), file=sys.stderr)
