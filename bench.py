@@ -8,8 +8,8 @@ drift cancels in the ratios: every speedup is the median over prompts of (tokens
 (tokens/s of the plain baseline on the same prompt), with its interquartile range.
 
 Quality runs sweep each lossy verifier's parameter on GSM8K (exact match) and HumanEval (pass@1,
-the generated code run in sandbox.py's isolation: no network, no writes outside its directory), next to lossless and plain
-sampling, each with a 95% Wilson interval so a real drop can be told from noise.
+the generated code run in sandbox.py's isolation: no network, no writes outside its directory),
+next to lossless and plain sampling, each with a 95% Wilson interval so a real drop can be told from noise.
 
     python bench.py --quick                                      # smoke test (CI runs it)
     python bench.py --limit 5 --drafts lookup,drafts/smollm2-135m-eagle3-vat --temperatures 0
@@ -95,8 +95,8 @@ def gsm8k_correct(text: str, answer: str) -> bool:
 def humaneval_problems(limit: int) -> list:
     with gzip.open(DATA / "HumanEval.jsonl.gz", "rt") as f:
         rows = [json.loads(line) for line in f][:limit]
-    return [{"prompt": "Complete this Python function. Reply with the whole function in a ```python block.\n\n"
-                       f"```python\n{r['prompt']}```", "code": r["prompt"], "test": r["test"],
+    ask = "Complete this Python function. Reply with the whole function in a ```python block.\n\n"
+    return [{"prompt": ask + f"```python\n{r['prompt']}```", "code": r["prompt"], "test": r["test"],
              "entry_point": r["entry_point"]} for r in rows]
 
 
@@ -165,13 +165,16 @@ def draft_label(spec: str) -> str:
     base, early_exit = split_early_exit(spec)
     path = Path(base.split(":", 1)[-1])
     name = base if base == "lookup" else (path.parent.name if path.name == "checkpoint" else path.name)
-    return name + ("" if early_exit is None else " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}"))
+    if early_exit is None:
+        return name
+    return name + " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}")
 
 
 def make_draft(spec, target, tokenizer, temperature, generator):
     """A draft spec as decode.py takes it, optionally suffixed @ee (or @ee<threshold>) for early exit."""
     base, early_exit = split_early_exit(spec)
-    return build_draft(base, target, tokenizer, temperature=temperature, generator=generator, early_exit=early_exit)
+    return build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
+                       early_exit=early_exit)
 
 
 @dataclass
@@ -196,7 +199,8 @@ def hf_peer(target_dir, kind: str, k: int):
         sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
         t0 = time.perf_counter()
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                          eos_token_id=sorted(stop_ids), pad_token_id=sorted(stop_ids)[0], **sampling, **extra)
+                          eos_token_id=sorted(stop_ids), pad_token_id=sorted(stop_ids)[0],
+                          **sampling, **extra)
         seconds = time.perf_counter() - t0
         new = out[0, len(ids):].tolist()
         return {"tokens": new, "new_tokens": len(new), "seconds": seconds, "tokens_per_s": len(new) / seconds,
@@ -218,10 +222,12 @@ def speed_runs(args, target, tokenizer, generator):
                     continue
                 if name == "lossless" and temperature == 0 and "greedy" in args.verifiers:
                     continue  # at T=0 lossless keeps exactly what greedy keeps: the run would repeat it
-                runs.append(Run(f"{draft_label(spec)} {name} T={temperature:g}", temperature, draft, Verifier(name)))
+                runs.append(Run(f"{draft_label(spec)} {name} T={temperature:g}", temperature, draft,
+                                Verifier(name)))
         if args.peers:
             target_dir = M.resolve_model(args.target)
-            for kind, label in (("generate", "transformers generate"), ("assisted", "transformers assisted lookup")):
+            for kind, label in (("generate", "transformers generate"),
+                                ("assisted", "transformers assisted lookup")):
                 runs.append(Run(f"{label} T={temperature:g}", temperature,
                                 peer=hf_peer(target_dir, kind, args.num_draft_tokens)))
 
@@ -265,10 +271,12 @@ def summarize(records: dict, temperatures: dict) -> dict:
             "temperature": temperatures[name],
             "tokens_per_s_median": tps[1], "tokens_per_s_iqr": [tps[0], tps[2]],
             "speedup_median": med, "speedup_iqr": [lo, hi],
-            "tau": sum(r["new_tokens"] for r in ours) / sum(r["target_forwards"] for r in ours) if ours else None,
+            "tau": (sum(r["new_tokens"] for r in ours) / sum(r["target_forwards"] for r in ours)) if ours
+            else None,
             "tau_per_category": {c: n / f for c, (n, f) in per_category.items()},
             "acceptance_per_position": [statistics.mean(r["accepted_per_position"][i] for r in rs
-                                                        if len(r["accepted_per_position"]) > i) for i in range(k)],
+                                                        if len(r["accepted_per_position"]) > i)
+                                        for i in range(k)],
             "draft_time_fraction": sum(r["draft_seconds"] for r in rs) / sum(r["seconds"] for r in rs),
             "drafted_tokens": sum(r["drafted_tokens"] for r in rs),
             "early_exit_saved": sum(r["early_exit_saved"] for r in rs),
@@ -286,18 +294,24 @@ def quality_runs(args, target, tokenizer, generator):
                                                 for n, p in SWEEP]
     out = {}
     for task in args.quality:
-        problems = gsm8k_problems(args.quality_limit) if task == "gsm8k" else humaneval_problems(args.quality_limit)
+        load = gsm8k_problems if task == "gsm8k" else humaneval_problems
+        problems = load(args.quality_limit)
         # per problem too, so that two verifiers can be compared problem by problem
-        results = {label: {"correct": 0, "new": 0, "forwards": 0, "per_problem": []} for label, _, _ in configs}
+        results = {label: {"correct": 0, "new": 0, "forwards": 0, "per_problem": []}
+                   for label, _, _ in configs}
         for problem in tqdm(problems, desc=f"quality {task}", file=sys.stderr):
             ids = tokenizer.encode_chat([{"role": "user", "content": problem["prompt"]}])
             for label, name, params in configs:
                 verifier = Verifier(name or "lossless", **params)
-                r = generate(target, ids, draft if name else None, verifier, k=args.num_draft_tokens if name else 0,
+                r = generate(target, ids, draft if name else None, verifier,
+                             k=args.num_draft_tokens if name else 0,
                              max_new_tokens=args.quality_max_new_tokens, temperature=args.quality_temperature,
                              stop_ids=tokenizer.stop_ids, generator=generator, step_fn=args.step_fn)
                 text = tokenizer.decode([t for t in r["tokens"] if t not in tokenizer.stop_ids])
-                ok = gsm8k_correct(text, problem["answer"]) if task == "gsm8k" else humaneval_passes(problem, text)
+                if task == "gsm8k":
+                    ok = gsm8k_correct(text, problem["answer"])
+                else:
+                    ok = humaneval_passes(problem, text)
                 res = results[label]
                 res["correct"] += ok
                 res["new"] += r["new_tokens"]
@@ -443,7 +457,8 @@ def plots(summary, quality, out_dir: Path, stem: str) -> list:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, s in drafts.items():
             if s["acceptance_per_position"]:
-                ax.plot(range(1, len(s["acceptance_per_position"]) + 1), s["acceptance_per_position"], "o-", label=name)
+                ax.plot(range(1, len(s["acceptance_per_position"]) + 1), s["acceptance_per_position"],
+                        "o-", label=name)
         ax.set_xlabel("draft position")
         ax.set_ylabel("fraction of blocks that kept it")
         ax.legend(fontsize=7)
@@ -458,8 +473,10 @@ def plots(summary, quality, out_dir: Path, stem: str) -> list:
         for name, rs in curves.items():
             rs = sorted(rs, key=lambda r: r["block_efficiency"])
             ax.errorbar([r["block_efficiency"] for r in rs], [r["accuracy"] for r in rs],
-                        yerr=[[r["accuracy"] - r["ci95"][0] for r in rs], [r["ci95"][1] - r["accuracy"] for r in rs]],
-                        fmt="o-" if len(rs) > 1 else "s", capsize=3, alpha=0.8, label=f"{name} ({rs[0]['family']})")
+                        yerr=[[r["accuracy"] - r["ci95"][0] for r in rs],
+                              [r["ci95"][1] - r["accuracy"] for r in rs]],
+                        fmt="o-" if len(rs) > 1 else "s", capsize=3, alpha=0.8,
+                        label=f"{name} ({rs[0]['family']})")
         ax.set_xlabel("block efficiency (tokens per target forward)")
         ax.set_ylabel("accuracy" if task == "gsm8k" else "pass@1")
         ax.set_title(task)
@@ -472,7 +489,7 @@ def plots(summary, quality, out_dir: Path, stem: str) -> list:
 
 
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(description="Speculative decoding benchmark: speed and quality, side by side.",
+    ap = argparse.ArgumentParser(description="Speculative decoding benchmark: speed and quality.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--target", default=M.DEFAULT_TARGET,
                     help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
@@ -481,31 +498,38 @@ def get_args(argv=None):
     ap.add_argument("--drafts", default=default_drafts,
                     help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds the "
                          "paper's early exit (0.5 EAGLE-3, 0.6 DFlash), @ee0.2 a threshold of your own")
-    ap.add_argument("--verifiers", default="greedy,lossless", help=f"comma-separated, from {','.join(VERIFIERS)}; "
-                    "greedy runs only at T=0, where lossless (the same rule there) is left out if greedy is in")
+    ap.add_argument("--verifiers", default="greedy,lossless",
+                    help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
+                         "lossless (the same rule there) is left out if greedy is in")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=7, help="tokens drafted per target forward")
-    ap.add_argument("--prompt-file", default="data/spec_bench_questions.jsonl", help="Spec-Bench-style jsonl (or any supported jsonl)")
-    ap.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories; all when omitted")
+    ap.add_argument("--prompt-file", default="data/spec_bench_questions.jsonl",
+                    help="Spec-Bench-style jsonl (or any supported jsonl)")
+    ap.add_argument("--categories", default=None,
+                    help="comma-separated Spec-Bench categories; all when omitted")
     ap.add_argument("--limit", type=int, default=3, help="prompts per category")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per speed-run prompt, at most")
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="new tokens per speed-run prompt, at most")
     ap.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
-    ap.add_argument("--peers", action="store_true", help="also run transformers' generate and assisted lookup")
+    ap.add_argument("--peers", action="store_true",
+                    help="also run transformers' generate and assisted lookup")
     ap.add_argument("--speed-off", action="store_true", help="skip the speed runs")
     ap.add_argument("--quality", default="", help="comma-separated quality tasks: gsm8k, humaneval")
     ap.add_argument("--quality-limit", type=int, default=20, help="problems per quality task")
     ap.add_argument("--quality-draft", default=None,
                     help="draft for the quality sweep; the first of --drafts when omitted")
-    ap.add_argument("--quality-temperature", type=float, default=1.0, help="sampling temperature of the sweep")
+    ap.add_argument("--quality-temperature", type=float, default=1.0,
+                    help="sampling temperature of the sweep")
     ap.add_argument("--quality-max-new-tokens", type=int, default=256, help="answer length limit per problem")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the target's decode step as decode.py does; auto = on for CUDA only")
     ap.add_argument("--decode-table", default="auto",
-                    help=f"comma-separated shapes from {','.join(SHAPES)} timed with random weights against the "
-                         "memory-bandwidth floor; auto = qwen3-4b,llama-3.1-8b on CUDA, none on CPU; 'none' skips")
+                    help=f"comma-separated shapes from {','.join(SHAPES)} timed with random weights against "
+                         "the memory-bandwidth floor; auto = qwen3-4b,llama-3.1-8b on CUDA, none on CPU; "
+                         "'none' skips")
     ap.add_argument("--decode-table-compile", default="auto", choices=("auto", "both", "off"),
-                    help="time torch.compile'd steps next to eager ones; auto = both on CUDA, eager only on CPU "
-                         "(a compile costs ~1 min per query length there)")
+                    help="time torch.compile'd steps next to eager ones; auto = both on CUDA, eager only on "
+                         "CPU (a compile costs ~1 min per query length there)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
     ap.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
     ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
@@ -572,7 +596,8 @@ def write_results(out: Path, result: dict) -> Path:
     except OSError as e:
         fallback = Path(tempfile.gettempdir()) / f"vat-bench-{os.getpid()}-{out.name}"
         fallback.write_text(text)
-        print(f"warning: could not write {out} ({e.strerror or e}); results saved to {fallback}", file=sys.stderr)
+        print(f"warning: could not write {out} ({e.strerror or e}); results saved to {fallback}",
+              file=sys.stderr)
         return fallback
 
 
@@ -595,8 +620,9 @@ def print_report(args, summary: dict, quality: dict, table: list):
         print("|---|---|---|---|---|---|")
         for name, s in summary.items():
             tau = f"{s['tau']:.2f}" if s["tau"] else "-"
+            lo, hi = s["speedup_iqr"]
             print(f"| {name} | {tau} | {s['tokens_per_s_median']:.1f} | {s['speedup_median']:.2f}x "
-                  f"({s['speedup_iqr'][0]:.2f}-{s['speedup_iqr'][1]:.2f}) | {100 * s['draft_time_fraction']:.0f}% | "
+                  f"({lo:.2f}-{hi:.2f}) | {100 * s['draft_time_fraction']:.0f}% | "
                   f"{s['peak_memory_mb']:.0f} MiB |")
     for task, results in quality.items():
         print(f"\n{task}, T={args.quality_temperature:g}, draft {draft_label(args.quality_draft)}\n")
@@ -638,7 +664,8 @@ def main(argv=None):
                                verify_k=(args.num_draft_tokens,)) if args.decode_table else []
     print_report(args, summary, quality, table)
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     out = args.out
     try:
         images = plots(summary, quality, out.parent, out.stem)
@@ -649,19 +676,22 @@ def main(argv=None):
     result = {
         "config": {**config, "git_commit": commit or "unknown",
                    "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
-                   "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version()},
+                   "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+                   "python": platform.python_version()},
         "speed": summary, "quality": quality, "decode_table": table, "plots": [shown(p) for p in images],
         "runs": records,  # every run on every prompt, its tokens included
     }
     out = write_results(out, result)
-    speedups = {n: s["speedup_median"] for n, s in summary.items() if not n.startswith(("baseline", "transformers"))}
+    speedups = {n: s["speedup_median"] for n, s in summary.items()
+                if not n.startswith(("baseline", "transformers"))}
     best = max(speedups, key=speedups.get) if speedups else None
     print(json.dumps({"results": str(out), "best": best, "best_speedup": speedups.get(best),
                       "tokens_per_s": {n: s["tokens_per_s_median"] for n, s in summary.items()},
                       "tau": {n: s["tau"] for n, s in summary.items() if s["tau"]},
-                      "quality": {t: {lb: r["accuracy"] for lb, r in rs.items()} for t, rs in quality.items()},
-                      "decode_tokens_per_s": {r["target"] + (" compiled" if r["compiled"] else ""): r["tokens_per_s"]
-                                              for r in table}}))
+                      "quality": {t: {lb: r["accuracy"] for lb, r in rs.items()}
+                                  for t, rs in quality.items()},
+                      "decode_tokens_per_s": {r["target"] + (" compiled" if r["compiled"] else ""):
+                                              r["tokens_per_s"] for r in table}}))
 
 
 if __name__ == "__main__":

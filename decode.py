@@ -130,7 +130,8 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
         budget = min(k, max_new_tokens - len(new) - 1, getattr(draft, "max_tokens", k))
         out, n, hidden = speculative_step(step_fn, seq, draft, budget, verifier, stats, device,
                                           temperature=temperature, top_p=top_p, generator=generator)
-        stop = next((j for j, t in enumerate(out) if t in stop_ids), None)  # a stop token ends generation there
+        # a stop token, even inside a kept block, ends generation there
+        stop = next((j for j, t in enumerate(out) if t in stop_ids), None)
         out = out[:min(len(out) if stop is None else stop + 1, max_new_tokens - len(new))]
         seq += out
         new += out
@@ -193,7 +194,8 @@ def repo_path(path) -> Path:
 def repo_relative(path) -> str:
     """A path inside the repository as a relative one (what outputs and results files show)."""
     p = Path(path)
-    return str(p.resolve().relative_to(ROOT)) if p.is_absolute() and p.resolve().is_relative_to(ROOT) else str(path)
+    inside = p.is_absolute() and p.resolve().is_relative_to(ROOT)
+    return str(p.resolve().relative_to(ROOT)) if inside else str(path)
 
 
 def read_jsonl(path) -> list:
@@ -260,9 +262,10 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
             raise ValueError(f"{path} holds a {found} draft, not {kind}")
         early_exit = EARLY_EXIT_DEFAULTS[kind] if early_exit == "auto" else early_exit
         if kind == "eagle3":
-            return Eagle3Draft(net, target.embed_tokens, target.max_seq_len, early_exit=early_exit, **sampling)
-        return DFlashDraft(net, target.embed_tokens, target.lm_head, target.max_seq_len, early_exit=early_exit,
-                           **sampling)
+            return Eagle3Draft(net, target.embed_tokens, target.max_seq_len, early_exit=early_exit,
+                               **sampling)
+        return DFlashDraft(net, target.embed_tokens, target.lm_head, target.max_seq_len,
+                           early_exit=early_exit, **sampling)
     weight = target.embed_tokens.weight
     draft_model = M.load_model(path, dtype=weight.dtype, device=weight.device)
     if draft_model.args.vocab_size != target.args.vocab_size:
@@ -283,26 +286,30 @@ def get_args(argv=None):
     ap.add_argument("--target", default=M.DEFAULT_TARGET,
                     help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
     ap.add_argument("--draft", default=None,
-                    help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, or a "
-                         "model name/directory sharing the target's tokenizer. Default: the fastest configuration "
-                         "measured on a 2-core CPU (README): prompt lookup at T = 0, plain decoding at T > 0 (where "
-                         "lookup measured slower); with a lossy --verifier, the committed EAGLE-3 draft for "
-                         "smollm2-135m (those verifiers mix the draft's distribution into the target's), else lookup")
+                    help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, or "
+                         "a model name/directory sharing the target's tokenizer. Default: the fastest "
+                         "configuration measured on a 2-core CPU (README): prompt lookup at T = 0, plain "
+                         "decoding at T > 0 (where lookup measured slower); with a lossy --verifier, the "
+                         "committed EAGLE-3 draft for smollm2-135m (those verifiers mix the draft's "
+                         "distribution into the target's), else lookup")
     ap.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
-                    help="'none' is plain autoregressive decoding; default: greedy at T = 0 and none at T > 0 "
-                         "without --draft, greedy at T = 0 and lossless at T > 0 with one")
+                    help="'none' is plain autoregressive decoding; default: greedy at T = 0 and none at T > "
+                         "0 without --draft, greedy at T = 0 and lossless at T > 0 with one")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="tokens drafted per step")
-    ap.add_argument("--early-exit", nargs="?", const="auto", default=None, type=lambda v: v if v == "auto" else float(v),
-                    help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls below "
-                         "this (bare flag: 0.5 for EAGLE-3, 0.6 for DFlash)")
+    ap.add_argument("--early-exit", nargs="?", const="auto", default=None,
+                    type=lambda v: v if v == "auto" else float(v),
+                    help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls "
+                         "below this (bare flag: 0.5 for EAGLE-3, 0.6 for DFlash)")
     ap.add_argument("--p-base", type=float, default=0.1, help="minp: keep x iff p(x) >= p_base * max p")
     ap.add_argument("--eps", type=float, default=3e-4,
-                    help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p))); 3e-4 is eta-sampling's setting, "
-                         "0.09 Medusa's typical acceptance")
+                    help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p))); 3e-4 is eta-sampling's "
+                         "setting, 0.09 Medusa's typical acceptance")
     ap.add_argument("--delta", type=float, default=None, help="eta: default sqrt(eps), as eta-sampling")
-    ap.add_argument("--lam", type=float, default=0.5, help="cos / overshoot: weight of p in lam*p + (1-lam)*q")
+    ap.add_argument("--lam", type=float, default=0.5,
+                    help="cos / overshoot: weight of p in lam*p + (1-lam)*q")
     ap.add_argument("--lenience", type=float, default=0.5, help="lenience: accept with min(1, p/(l*q))")
-    ap.add_argument("--ceiling", type=float, default=2.0, help="overshoot: an overshot token gets at most c*p(x)")
+    ap.add_argument("--ceiling", type=float, default=2.0,
+                    help="overshoot: an overshot token gets at most c*p(x)")
     ap.add_argument("--prompt", default=None, help="the user message (default: a short demo question)")
     ap.add_argument("--prompt-file", default=None,
                     help="a text file (one prompt) or jsonl (Spec-Bench, ShareGPT, Alpaca, GSM8K records)")
@@ -310,8 +317,8 @@ def get_args(argv=None):
     ap.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=None,
-                    help="0 is greedy; default 0, or 1 with a lossy verifier (at 0 every verifier keeps exactly "
-                         "the target's argmax, so a lossy one would change nothing)")
+                    help="0 is greedy; default 0, or 1 with a lossy verifier (at 0 every verifier keeps "
+                         "exactly the target's argmax, so a lossy one would change nothing)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (capped by the model's)")
@@ -319,8 +326,8 @@ def get_args(argv=None):
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="default: float32 on CPU (no bf16 units), bfloat16 on CUDA")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                    help="torch.compile the decode step; auto = on for CUDA, off for CPU, where it "
-                         "measured slower than the packed eager model, after ~1 min of compiling per block length")
+                    help="torch.compile the decode step; auto = on for CUDA, off for CPU, where it measured "
+                         "slower than the packed eager model, after ~1 min of compiling per block length")
     ap.add_argument("--no-pack", dest="pack", action="store_false",
                     help="keep nn.Linear weights as they are on CPU (packing is ~1.5x faster)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of results per prompt")
@@ -344,8 +351,9 @@ def get_args(argv=None):
             print(f"note: {args.verifier} verifies sampled tokens, so --temperature defaults to 1 here "
                   f"(at 0 every verifier keeps exactly the target's argmax)", file=sys.stderr)
     elif lossy and args.temperature == 0:
-        print(f"note: at --temperature 0 the {args.verifier} verifier is greedy verification: it keeps exactly "
-              f"the target's argmax tokens (set --temperature > 0 to see what it changes)", file=sys.stderr)
+        print(f"note: at --temperature 0 the {args.verifier} verifier is greedy verification: it keeps "
+              f"exactly the target's argmax tokens (set --temperature > 0 to see what it changes)",
+              file=sys.stderr)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         ap.error("need --temperature >= 0 and 0 < --top-p <= 1")
     committed = DEFAULT_DRAFTS.get(args.target)
@@ -368,10 +376,11 @@ def make_verifier(args) -> Verifier:
 
 def summary_line(result: dict, args, speculative: bool) -> str:
     """What speculation did for one answer, in one line for stderr."""
-    how = f"{repo_relative(args.draft)} draft, {args.verifier} verifier, k={args.num_draft_tokens}" if speculative \
-        else "plain decoding"
-    line = (f"[{how}, T={args.temperature:g}] {result['new_tokens']} tokens at {result['tokens_per_s']:.1f} tok/s, "
-            f"{result['target_forwards']} target forwards")
+    how = "plain decoding"
+    if speculative:
+        how = f"{repo_relative(args.draft)} draft, {args.verifier} verifier, k={args.num_draft_tokens}"
+    line = (f"[{how}, T={args.temperature:g}] {result['new_tokens']} tokens at "
+            f"{result['tokens_per_s']:.1f} tok/s, {result['target_forwards']} target forwards")
     if speculative:
         kept = result["new_tokens"] - result["target_forwards"]  # every forward adds one token of its own
         line += (f", tau {result['tau']:.2f} ({result['drafted_tokens']} drafted, {max(kept, 0)} kept, "
@@ -384,9 +393,11 @@ def main(argv=None):
     verifier = make_verifier(args)  # bad parameters and prompts fail before any weights load
     prompts = read_prompts(repo_path(args.prompt_file)) if args.prompt_file else \
         [args.prompt if args.prompt is not None else "Explain in three sentences why the sky is blue."]
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
+    default_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16  # CPUs here lack bf16 units
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype
     compiled = wants_compile(args.compile, args.device)
-    target, tokenizer = load_target(args.target, args.device, dtype, args.max_seq_len, args.pack and not compiled)
+    target, tokenizer = load_target(args.target, args.device, dtype, args.max_seq_len,
+                                    args.pack and not compiled)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     draft = None
     if args.verifier != "none":
@@ -409,15 +420,18 @@ def main(argv=None):
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        result = generate(target, ids, draft, verifier, k=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_p=args.top_p, stop_ids=stop_ids, generator=generator,
+        result = generate(target, ids, draft, verifier, k=args.num_draft_tokens,
+                          max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, stop_ids=stop_ids,
+                          generator=generator,
                           on_tokens=stream, step_fn=step_fn)
         sys.stdout.write(utf8.decode(b"", final=True) + "\n")
         sys.stdout.flush()
         print(summary_line(result, args, draft is not None), file=sys.stderr)
         if args.json:
             result["text"] = tokenizer.decode([t for t in result["tokens"] if t not in stop_ids])
-            result.update(target=args.target, draft=repo_relative(args.draft) if draft else None, verifier=args.verifier,
+            result.update(target=args.target, draft=repo_relative(args.draft) if draft else None,
+                          verifier=args.verifier,
                           k=args.num_draft_tokens if draft else 0, temperature=args.temperature)
             print(json.dumps(result))
 

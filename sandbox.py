@@ -75,7 +75,8 @@ def bwrap_command(work: Path) -> list:
         cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         cmd += ["--unshare-user"]
-    python = Path(PYTHON_HOME) / Path(sys._base_executable).resolve().relative_to(Path(sys.base_prefix).resolve())
+    executable = Path(sys._base_executable).resolve().relative_to(Path(sys.base_prefix).resolve())
+    python = Path(PYTHON_HOME) / executable  # the interpreter itself, not a virtualenv's link to it
     return cmd + [str(python), "-I", "-c", LAUNCHER]
 
 

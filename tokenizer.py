@@ -16,6 +16,7 @@ from pathlib import Path
 
 from model import CheckpointError
 
+# the pre-tokenizer split patterns, verbatim from each family's tokenizer (kept on one line each)
 SMOLLM2_REGEX = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 QWEN2_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -24,9 +25,11 @@ QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_s
                   "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
                   "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-                  "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+                  "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+                  "<think>", "</think>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
+                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>",
+                   "<|reserved_special_token_2|>",
                    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
 LLAMA3_N_SPECIAL = 256
 STOP_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
@@ -37,7 +40,8 @@ def gpt2_byte_decoder() -> dict:
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
         + list(range(ord("®"), ord("ÿ") + 1))  # 188 bytes that stand for themselves
     unprintable = [b for b in range(256) if b not in printable]
-    chars = {b: b for b in printable} | {b: 256 + i for i, b in enumerate(unprintable)}  # the rest: 256, 257, ...
+    # the rest stand for 256, 257, ... in byte order
+    chars = {b: b for b in printable} | {b: 256 + i for i, b in enumerate(unprintable)}
     return {chr(c): b for b, c in chars.items()}
 
 
@@ -72,14 +76,16 @@ class Tokenizer:
         ids = []
         if self.chat_format == "chatml":
             for m in messages:
-                ids += [sp["<|im_start|>"]] + self.encode(f"{m['role']}\n{m['content']}") + [sp["<|im_end|>"]] + self.encode("\n")
+                ids += [sp["<|im_start|>"]] + self.encode(f"{m['role']}\n{m['content']}")
+                ids += [sp["<|im_end|>"]] + self.encode("\n")
             ids += [sp["<|im_start|>"]] + self.encode("assistant\n")
             if self.thinking_off:
                 ids += [sp["<think>"]] + self.encode("\n\n") + [sp["</think>"]] + self.encode("\n\n")
         elif self.chat_format == "llama3":
             ids.append(sp["<|begin_of_text|>"])
             for m in messages + [{"role": "assistant", "content": None}]:
-                ids += [sp["<|start_header_id|>"]] + self.encode(m["role"]) + [sp["<|end_header_id|>"]] + self.encode("\n\n")
+                ids += [sp["<|start_header_id|>"]] + self.encode(m["role"])
+                ids += [sp["<|end_header_id|>"]] + self.encode("\n\n")
                 if m["content"] is not None:
                     ids += self.encode(m["content"]) + [sp["<|eot_id|>"]]
         else:
@@ -99,7 +105,8 @@ def tokenizer_from_hf_json(path: Path) -> Tokenizer:
     tj = json.loads(path.read_text())
     model = tj["model"]
     if model.get("type") != "BPE":
-        raise CheckpointError(f"{path}: only byte-level BPE tokenizers are supported, not {model.get('type')}")
+        raise CheckpointError(f"{path}: only byte-level BPE tokenizers are supported, "
+                              f"not {model.get('type')}")
     specials = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
     byte_of = gpt2_byte_decoder()
     ranks = {}
@@ -172,6 +179,7 @@ def load_tokenizer(model_dir) -> Tokenizer:
     if template_file.is_file():
         template = json.loads(template_file.read_text()).get("chat_template") or ""
         # a literal default system prompt in the template (SmolLM2 has one)
-        m = re.search(r"<\|im_start\|>system\n([^<{}'\"]+)<\|im_end\|>", template if isinstance(template, str) else "")
+        m = re.search(r"<\|im_start\|>system\n([^<{}'\"]+)<\|im_end\|>",
+                      template if isinstance(template, str) else "")
         tok.default_system = m.group(1) if m else None
     return tok

@@ -157,7 +157,8 @@ def eagle3_ttt(net: Eagle3, embed, tokens, features, K: int):
         queries, step_keys, step_values = layer.qkv(embeds, state, cos[s:s + T], sin[s:s + T])
         keys.append(step_keys)
         values.append(step_values)
-        attended = layer.self_attn.attend(queries, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(T, s, tokens.device))
+        attended = layer.self_attn.attend(queries, torch.cat(keys, 2), torch.cat(values, 2),
+                                          ttt_mask(T, s, tokens.device))
         state = layer.finish(state, attended)  # (B, T, dim)
         step_logits, step_heads = net.heads(state)
         logits.append(step_logits)
@@ -176,7 +177,8 @@ def dflash_blocks(net: DFlash, embed, lm_head, tokens, features, anchors):
     h = embed(block_tokens.view(B, nb * bs))  # (B, nb*bs, dim)
     context = net.context(features)  # (B, T, dim)
     cos_table, sin_table = M.rope_table(net.args, T + bs, h.device, h.dtype)
-    positions = torch.cat([torch.arange(T, device=tokens.device).expand(B, T), block_pos], 1)  # (B, T + nb*bs)
+    context_pos = torch.arange(T, device=tokens.device).expand(B, T)
+    positions = torch.cat([context_pos, block_pos], 1)  # (B, T + nb*bs)
     cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]  # (B, 1, T + nb*bs, head_dim)
     mask = torch.stack([dflash_mask(a, T, bs) for a in anchors])[:, None]  # (B, 1, nb*bs, T + nb*bs)
     for layer in net.layers:
@@ -194,7 +196,8 @@ def target_pass(target, batch, layers):
         if cached:
             features, final = (c.to(target.norm.weight.dtype) for c in cached)
             return target.lm_head(target.norm(final)), features
-        logits, hidden = target(tokens, torch.arange(tokens.shape[1], device=tokens.device), hidden_layers=layers)
+        logits, hidden = target(tokens, torch.arange(tokens.shape[1], device=tokens.device),
+                                hidden_layers=layers)
         return logits, torch.cat(hidden, -1)
 
 
@@ -205,12 +208,14 @@ def eagle3_loss(net: Eagle3, target, batch, args):
     target_logits, features = target_pass(target, batch, net.target_layers)
     logits, heads = eagle3_ttt(net, target.embed_tokens, tokens, features, K)  # (B, K, T, Vd), (B, K, T)
     # step s from base t predicts the token at t+2+s; the target's distribution for it sits at t+1+s
-    source = torch.arange(T, device=tokens.device)[None, :] + 1 + torch.arange(K, device=tokens.device)[:, None]
+    base, step = torch.arange(T, device=tokens.device), torch.arange(K, device=tokens.device)
+    source = base[None, :] + 1 + step[:, None]  # (K, T)
     predicted = source + 1  # (K, T)
     valid = (predicted < T)[None] & response[:, predicted.clamp(max=T - 1)]  # (B, K, T)
     source = source.clamp(max=T - 1)
     in_vocab = net.t2d[target_logits.argmax(-1)][:, source]  # (B, K, T)
-    target_logp = F.log_softmax(target_logits.float(), -1)[..., net.draft_to_target()][:, source]  # (B, K, T, Vd)
+    target_logp = F.log_softmax(target_logits.float(), -1)[..., net.draft_to_target()]  # (B, T, Vd)
+    target_logp = target_logp[:, source]  # (B, K, T, Vd)
 
     def chains(x):  # (B, K, T, ...) -> (B*T, K, ...): one chain per base position
         return x.transpose(1, 2).flatten(0, 1)
@@ -228,12 +233,14 @@ def dflash_loss(net: DFlash, target, batch, args):
     # the target's lm_head as a plain matmul: a packed CPU weight has no autograd, and the draft's
     # gradient must flow through it
     lm_weight = M.dense_weight(target.lm_head)
-    logits, heads = dflash_blocks(net, target.embed_tokens, lambda x: F.linear(x, lm_weight), tokens, features, anchors)
+    logits, heads = dflash_blocks(net, target.embed_tokens, lambda x: F.linear(x, lm_weight), tokens,
+                                  features, anchors)
     pos = anchors[..., None] + torch.arange(1, bs, device=tokens.device)  # (B, nb, bs-1) predicted positions
     pos_inside = pos.clamp(max=T - 1)
     # the target's distribution for the token at pos comes from position pos - 1
     rows = (pos_inside - 1).view(B, -1, 1).expand(-1, -1, target_logits.shape[-1])
-    target_logp = F.log_softmax(target_logits.gather(1, rows).view(*pos.shape, -1).float(), -1)  # (B, nb, bs-1, V)
+    target_logits = target_logits.gather(1, rows).view(*pos.shape, -1)  # (B, nb, bs-1, V)
+    target_logp = F.log_softmax(target_logits.float(), -1)
     valid = (pos < T) & response.gather(1, pos_inside.view(B, -1)).view(pos.shape)
 
     def blocks(x):  # (B, nb, bs-1, ...) -> (B*nb, bs-1, ...): one chain per block
@@ -338,7 +345,8 @@ def build_dataset(target, tokenizer, args) -> list:
     if n_self:
         prompts += magpie_prompts(target, tokenizer, n_self, args.gen_batch)
     random.Random(1).shuffle(prompts)
-    encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])[-args.max_prompt_tokens:] for p in prompts]
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])[-args.max_prompt_tokens:]
+               for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
     data = []
     for start in tqdm(range(0, len(order), args.gen_batch), desc="target responses", file=sys.stderr):
@@ -393,7 +401,8 @@ def feature_cache(target, data, target_layers, args) -> list:
     training sequence, computed once (bf16) and reused by every epoch and run."""
     layers = tuple(target_layers) + (target.args.n_layer,)
     key = hashlib.sha1(json.dumps([args.target, layers, args.seq_len, len(data),
-                                   sum(len(ids) for ids, *_ in data), data[0][0][:16]]).encode()).hexdigest()[:12]
+                                   sum(len(ids) for ids, *_ in data),
+                                   data[0][0][:16]]).encode()).hexdigest()[:12]
     path = Path(args.cache_dir) / f"features-{key}.pt"
     if path.is_file():
         return torch.load(path)
@@ -407,7 +416,8 @@ def feature_cache(target, data, target_layers, args) -> list:
             tokens[b, :len(ids)] = torch.tensor(ids)
         _, hidden = target(tokens, torch.arange(T, device=device), hidden_layers=layers)
         features, final = torch.cat(hidden[:-1], -1), hidden[-1]
-        out += [(features[b, :len(ids)].to("cpu", torch.bfloat16), final[b, :len(ids)].to("cpu", torch.bfloat16))
+        out += [(features[b, :len(ids)].to("cpu", torch.bfloat16),
+                 final[b, :len(ids)].to("cpu", torch.bfloat16))
                 for b, ids in enumerate(chunk)]
     save_atomically(out, path)
     return out
@@ -451,7 +461,8 @@ def get_args(argv=None):
     ap = argparse.ArgumentParser(
         description="Train an EAGLE-3 or DFlash draft with Verification-Aware Training.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Machine-dependent defaults (None above): on CUDA " + ", ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items())
+        epilog="Machine-dependent defaults (None above): on CUDA "
+               + ", ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items())
                + "; on CPU " + ", ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items())
                + " (about 40 minutes of training on 2 cores, after about 15 minutes of data generation the "
                  "first time). --quick is a 2-step smoke run on 12 prompts.")
@@ -461,15 +472,17 @@ def get_args(argv=None):
                     help="vat: the parts in --vat-parts; baseline: the plain EAGLE-3/DFlash loss")
     ap.add_argument("--vat-parts", default=None,
                     help="with --objective vat, which of VAT's changes to apply (the paper's ablation rows): "
-                         "head (verification head, BCE), weighting (decay restarted at the first rejection k*), "
-                         "ce (soft + hard cross-entropy instead of the draft's native one); default: all three")
+                         "head (verification head, BCE), weighting (decay restarted at the first rejection "
+                         "k*), ce (soft + hard cross-entropy instead of the draft's native one); default: "
+                         "all three")
     ap.add_argument("--vat-label", default="greedy", choices=("greedy", "sample"),
                     help="simulated verification: argmax match, or min(1, p/q) acceptance of a sampled token")
     ap.add_argument("--beta", type=float, default=1.0, help="weight of the verification-head loss")
     ap.add_argument("--data", default=",".join(DEFAULT_DATA + ["self"]),
                     help="comma-separated prompt jsonl files; 'self' adds prompts the target writes (Magpie)")
     ap.add_argument("--num-prompts", type=int, default=600, help="prompts taken from the files (0: all)")
-    ap.add_argument("--self-prompts", type=int, default=300, help="self-written prompts, with 'self' in --data")
+    ap.add_argument("--self-prompts", type=int, default=300,
+                    help="self-written prompts, with 'self' in --data")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--response-tokens", type=int, default=160, help="tokens per regenerated response")
     ap.add_argument("--gen-batch", type=int, default=48, help="prompts per batched target generation")
@@ -477,25 +490,31 @@ def get_args(argv=None):
     ap.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 unrolled training-time-test steps K")
     ap.add_argument("--block-size", type=int, default=16, help="DFlash block size")
     ap.add_argument("--blocks-per-seq", type=int, default=4, help="DFlash random anchors per sequence")
-    ap.add_argument("--draft-layers", type=int, default=None, help="DFlash layers (default 5, 2 for small targets)")
+    ap.add_argument("--draft-layers", type=int, default=None,
+                    help="DFlash layers (default 5, 2 for small targets)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--time-budget", type=float, default=None, help="stop training after this many minutes")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50, help="linear warm-up steps (0: none)")
-    ap.add_argument("--eval-every", type=int, default=None, help="steps between real-tau evaluations (0: never)")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="steps between real-tau evaluations (0: never)")
     ap.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for real tau")
     ap.add_argument("--eval-k", type=int, default=7)
     ap.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
-    ap.add_argument("--out", default=None, help="output directory (default runs/<target>-<draft>-<objective>)")
-    ap.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
-    ap.add_argument("--cache-dir", default=str(M.cache_dir() / "train"), help="where regenerated responses are cached")
+    ap.add_argument("--out", default=None,
+                    help="output directory (default runs/<target>-<draft>-<objective>)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the last complete checkpoint in --out")
+    ap.add_argument("--cache-dir", default=str(M.cache_dir() / "train"),
+                    help="where regenerated responses are cached")
     ap.add_argument("--cache-features", action="store_true",
                     help="small targets: compute the target's features once and keep them on disk (bf16, "
                          "~(n_layers+1)*dim*2 bytes a token) instead of a target forward every step")
     ap.add_argument("--prepare-only", action="store_true", help="build (and cache) the data, then stop")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 12 prompts, 2 steps (a few minutes on a CPU)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 12 prompts, 2 steps (a few minutes on a CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=default_device())
     args = ap.parse_args(argv)
@@ -544,9 +563,10 @@ def get_args(argv=None):
 def announce_defaults(args):
     """Say up front what a CPU run will cost: the defaults must not start a 10-hour job unasked."""
     if args.device == "cpu" and not args.quick:
-        print(f"CPU run: {args.steps} steps of batch {args.batch_size} x {args.seq_len} tokens (draft vocabulary "
-              f"{args.draft_vocab}); with the defaults about 40 minutes on 2 cores, plus about 15 minutes of "
-              f"data generation the first time. The progress bars show the ETA; --time-budget caps it.",
+        print(f"CPU run: {args.steps} steps of batch {args.batch_size} x {args.seq_len} tokens (draft "
+              f"vocabulary {args.draft_vocab}); with the defaults about 40 minutes on 2 cores, plus about "
+              f"15 minutes of data generation the first time. The progress bars show the ETA; "
+              f"--time-budget caps it.",
               file=sys.stderr)
 
 
@@ -557,9 +577,11 @@ EVAL_NEW_TOKENS = 64  # answer length of the periodic real-tau check
 def build_draft_net(args, target, data):
     t = target.args
     if args.draft == "eagle3":
-        dargs = M.ModelArgs(model_type="llama", vocab_size=t.vocab_size, dim=t.dim, n_layer=1, n_head=t.n_head,
+        dargs = M.ModelArgs(model_type="llama", vocab_size=t.vocab_size, dim=t.dim, n_layer=1,
+                            n_head=t.n_head,
                             n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
-                            norm_eps=t.norm_eps, rope_theta=t.rope_theta, max_position_embeddings=t.max_position_embeddings)
+                            norm_eps=t.norm_eps, rope_theta=t.rope_theta,
+                            max_position_embeddings=t.max_position_embeddings)
         size = min(args.draft_vocab, t.vocab_size)
         net = Eagle3(dargs, t.dim, size, eagle3_target_layers(t.n_layer))
         d2t, t2d = draft_vocabulary(data, t.vocab_size, size)
@@ -572,9 +594,11 @@ def build_draft_net(args, target, data):
     # DFlash's released drafts use 5 layers for 4B-8B targets; on a small target (dim < 2048) 5
     # layers would cost nearly what the target does, so 2
     n_layer = args.draft_layers or (5 if t.dim >= 2048 else 2)
-    dargs = M.ModelArgs(model_type="qwen3", vocab_size=t.vocab_size, dim=t.dim, n_layer=n_layer, n_head=t.n_head,
+    dargs = M.ModelArgs(model_type="qwen3", vocab_size=t.vocab_size, dim=t.dim, n_layer=n_layer,
+                        n_head=t.n_head,
                         n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
-                        norm_eps=t.norm_eps, rope_theta=t.rope_theta, max_position_embeddings=t.max_position_embeddings,
+                        norm_eps=t.norm_eps, rope_theta=t.rope_theta,
+                        max_position_embeddings=t.max_position_embeddings,
                         qk_norm=True)
     # the mask token: a special token the chat never uses (DFlash adds its own <|MASK|> where the
     # embedding table has spare rows; SmolLM2's has none)
@@ -698,7 +722,8 @@ def main(argv=None):
             break
     bar.close()
     if master:
-        print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step, "minutes": (time.time() - t0) / 60,
+        print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step,
+                          "minutes": (time.time() - t0) / 60,
                           "final": log[-1] if log else None}))
     if world > 1:
         torch.distributed.destroy_process_group()
@@ -731,7 +756,8 @@ class DraftLoss(torch.nn.Module):
 KEEP_CHECKPOINTS = 2
 
 
-def save_checkpoint(out: Path, net, target_args, step: int, opt, rng: random.Random, log: list, vat_info: dict):
+def save_checkpoint(out: Path, net, target_args, step: int, opt, rng: random.Random, log: list,
+                    vat_info: dict):
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-step-", dir=out))
     tmp.chmod(0o755)  # mkdtemp's 0700 would keep the checkpoint from other users
@@ -764,10 +790,12 @@ def latest_checkpoint(out: Path, target):
             state = torch.load(folder / "train_state.pt", weights_only=True)
             step = M.read_config(folder)["vat"]["step"]
             if not state["step"] == step == int(folder.name.split("-")[1]):
-                raise ValueError(f"steps disagree: folder {folder.name}, weights {step}, state {state['step']}")
+                raise ValueError(f"steps disagree: folder {folder.name}, weights {step}, "
+                                 f"state {state['step']}")
             return net, state, read_log(folder / "log.jsonl")[:step]
         except Exception as e:  # any damage means: not this one
-            print(f"warning: skipping checkpoint {folder}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(f"warning: skipping checkpoint {folder}: {reason}",
                   file=sys.stderr)
     return None
 

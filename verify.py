@@ -51,7 +51,8 @@ class Verifier:
                   "cos": (0 <= self.lam <= 1, f"lam must lie in [0, 1], got {self.lam}"),
                   "lenience": (self.lenience > 0, f"lenience l must be > 0, got {self.lenience}"),
                   "overshoot": (0 <= self.lam <= 1 and self.ceiling >= 1,
-                                f"overshoot needs lam in [0, 1] and c >= 1, got lam={self.lam} c={self.ceiling}")}
+                                f"overshoot needs lam in [0, 1] and c >= 1, got lam={self.lam} "
+                                f"c={self.ceiling}")}
         ok, message = checks.get(self.name, (True, ""))
         if not ok:
             raise ValueError(message)
@@ -68,7 +69,8 @@ class Verifier:
 def probs_from_logits(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
     """(..., V) logits -> (..., V) probabilities; temperature 0 is the one-hot argmax."""
     if temperature <= 0:
-        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1,
+                                                                      logits.argmax(-1, keepdim=True), 1.0)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
