@@ -1,6 +1,9 @@
 """sandbox.py: each limit holds against a program written to break it."""
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -121,3 +124,52 @@ time.sleep(120)
         except OSError:
             pass
     assert survivors == []
+
+
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not SYSTEM_PYTHON.exists(),
+                    reason="needs root (to become nobody), setpriv and a system Python nobody can run")
+def test_the_same_limits_hold_for_an_unprivileged_caller():
+    """As a user that is not root, bwrap runs in a user namespace and nothing drops privileges:
+    run the sandbox itself as nobody and check network, writes and processes again."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="vat-nobody-"))  # pytest's own tmp_path is root's alone
+    tmp_path.chmod(0o777)
+    (tmp_path / "sandbox.py").write_text((Path(__file__).parent.parent / "sandbox.py").read_text())
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        hostile = f"""
+import os, socket
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=2)
+    print("connected")
+except OSError:
+    print("no network")
+try:
+    open({str(tmp_path / "escaped")!r}, "w").write("x")
+    print("wrote")
+except OSError:
+    print("no write")
+n = 0
+for _ in range(100):
+    try:
+        if os.fork() == 0:
+            import time
+            time.sleep(3)
+            os._exit(0)
+        n += 1
+    except OSError:
+        break
+print(n)
+"""
+        caller = f"import sandbox; r = sandbox.run_untrusted({hostile!r}, processes=16); print(r.stdout, end='')"
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(SYSTEM_PYTHON),
+                            "-c", caller], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    lines = r.stdout.split()
+    escaped = (tmp_path / "escaped").exists()
+    shutil.rmtree(tmp_path)
+    assert lines[:4] == ["no", "network", "no", "write"], r.stdout + r.stderr
+    assert int(lines[4]) < 16 and not escaped
