@@ -40,7 +40,8 @@ from tqdm import tqdm
 
 import model as M
 from decode import (DEFAULT_DRAFTS, build_draft, check_prompt, compile_step, default_device, generate,
-                    load_target, prompt_text, read_jsonl, repo_path, repo_relative, wants_compile)
+                    load_target, prompt_text, read_jsonl, repo_path, repo_relative, target_weights,
+                    wants_compile)
 from sandbox import SandboxError, check_sandbox, run_untrusted
 from verify import VERIFIERS, Verifier
 
@@ -386,8 +387,10 @@ def random_target(shape: dict, device: str, dtype: torch.dtype) -> M.Transformer
     return net
 
 
-def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(False, True),
-                       verify_k=(7,), context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30) -> list:
+def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(False, True), int8: bool = False,
+                       verify_k=(3, 5, 7), context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30):
+    """Per shape: one decode step compiled and/or eager (packed fp32 on a CPU), and with int8
+    weights when asked (CPU), against the bandwidth floor of the bytes that step reads."""
     bandwidth = copy_bandwidth(device, copy_bytes)
     rows = []
     for name in tqdm(names, desc="decode-speed table", file=sys.stderr):
@@ -397,36 +400,68 @@ def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(Fa
         read = {id(p): p for n, p in net.named_parameters() if n != "embed_tokens.weight"}
         read[id(net.lm_head.weight)] = net.lm_head.weight
         weight_bytes = sum(p.numel() * p.element_size() for p in read.values())
+        linear_numel = sum(m.weight.numel() for m in net.modules() if isinstance(m, torch.nn.Linear))
         params_b = sum(p.numel() for p in {id(p): p for p in net.parameters()}.values()) / 1e9
         tokens = torch.randint(0, net.args.vocab_size, (1, context + max(verify_k) + 1), device=device)
+
+        def measure(step, weights: str, compile_mode, step_bytes):
+            def forward(n):  # n query tokens at the end of the context (a rewrite of the same slots)
+                pos = torch.arange(context, context + n, device=device)
+                return lambda: step(tokens[:, context:context + n], pos)
+            t0 = time.perf_counter()
+            one = seconds_per_call(forward(1), device, reps)
+            verify = {k + 1: seconds_per_call(forward(k + 1), device, reps) / one for k in verify_k}
+            rows.append({"target": name, "compiled": compile_mode is not None, "compile_mode": compile_mode,
+                         "dtype": weights, "params_b": params_b, "weight_gb_per_step": step_bytes / 1e9,
+                         "bandwidth_gb_s": bandwidth / 1e9, "floor_ms": 1e3 * step_bytes / bandwidth,
+                         "ms_per_token": 1e3 * one, "tokens_per_s": 1 / one,
+                         "fraction_of_floor": step_bytes / bandwidth / one, "verify_cost": verify,
+                         "wall_s": time.perf_counter() - t0})
+
         with torch.no_grad():
             net(tokens[:, :context], torch.arange(context, device=device))  # fill the cache once
+            dtype_name = str(dtype).replace("torch.", "")
             for compiled in sorted(compile_modes, reverse=True):
                 net.attend_full_cache = compiled  # static shapes: one graph per query length
-                if not compiled:  # eager CPU steps run on packed weights, as decode.py's do; inductor
-                    M.pack_for_cpu(net)  # packs its own (a no-op off the CPU)
-                # on CUDA, CUDA graphs remove the per-kernel launch cost that otherwise dominates
-                mode = ("reduce-overhead" if device.startswith("cuda") else "default") if compiled else None
-                step = torch.compile(net, dynamic=False, mode=mode) if compiled else net
-
-                def forward(n):  # n query tokens at the end of the context (a rewrite of the same slots)
-                    pos = torch.arange(context, context + n, device=device)
-                    return lambda: step(tokens[:, context:context + n], pos)
-                t0 = time.perf_counter()
-                one = seconds_per_call(forward(1), device, reps)
-                verify = {k: seconds_per_call(forward(k + 1), device, reps) / one for k in verify_k}
-                rows.append({"target": name, "compiled": compiled, "compile_mode": mode,
-                             "dtype": str(dtype).replace("torch.", ""), "params_b": params_b,
-                             "weight_gb_per_step": weight_bytes / 1e9, "bandwidth_gb_s": bandwidth / 1e9,
-                             "floor_ms": 1e3 * weight_bytes / bandwidth, "ms_per_token": 1e3 * one,
-                             "tokens_per_s": 1 / one, "fraction_of_floor": weight_bytes / bandwidth / one,
-                             "verify_cost": {k + 1: v for k, v in verify.items()},
-                             "wall_s": time.perf_counter() - t0})
+                if compiled:  # on CUDA, CUDA graphs remove the per-kernel launch cost that dominates
+                    mode = "reduce-overhead" if device.startswith("cuda") else "default"
+                    measure(torch.compile(net, dynamic=False, mode=mode), dtype_name, mode, weight_bytes)
+                else:  # eager CPU steps run on packed weights, as decode.py's fp32 ones do; inductor packs
+                    M.pack_for_cpu(net)  # its own (a no-op off the CPU)
+                    measure(net, dtype_name, None, weight_bytes)
+            if int8:  # the same random weights, one byte each in every Linear (scales are noise)
+                quantized = M.quantize_int8(random_target(SHAPES[name], device, torch.float32))
+                quantized.setup_caches(1, context + max(verify_k) + 1)
+                quantized(tokens[:, :context], torch.arange(context, device=device))
+                measure(quantized, "int8", None, weight_bytes - linear_numel * (dtype.itemsize - 1))
+                del quantized
         del net
         torch._dynamo.reset()  # drop the compiled graphs of this shape before the next one
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    return sorted(rows, key=lambda r: (names.index(r["target"]), r["compiled"]))
+    return sorted(rows, key=lambda r: (names.index(r["target"]), r["compiled"], r["dtype"] == "int8"))
+
+
+@torch.no_grad()
+def int8_quality(target_name: str, n_texts: int, max_tokens: int = 400) -> dict:
+    """What int8 weights and activations cost: on held-out text (GSM8K test questions with their
+    reference answers, teacher-forced), how often the int8 target's next-token argmax agrees with
+    the fp32 one's, and both perplexities."""
+    fp32, tokenizer = load_target(target_name, "cpu", "packed", max_tokens)
+    int8, _ = load_target(target_name, "cpu", "int8", max_tokens)
+    agree = count = 0
+    nll = {"fp32": 0.0, "int8": 0.0}
+    for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")[:n_texts]:
+        ids = torch.tensor([tokenizer.encode(r["question"] + "\n" + r["answer"])[:max_tokens]])
+        positions = torch.arange(ids.shape[1])
+        logits = {name: model(ids, positions)[0][0, :-1] for name, model in (("fp32", fp32), ("int8", int8))}
+        agree += (logits["fp32"].argmax(-1) == logits["int8"].argmax(-1)).sum().item()
+        count += ids.shape[1] - 1
+        for name, lg in logits.items():
+            nll[name] += torch.nn.functional.cross_entropy(lg, ids[0, 1:], reduction="sum").item()
+    return {"texts": n_texts, "tokens": count, "top1_agreement": agree / count,
+            "perplexity_fp32": math.exp(nll["fp32"] / count),
+            "perplexity_int8": math.exp(nll["int8"] / count)}
 
 
 # -----------------------------------------------------------------------------
@@ -521,6 +556,9 @@ def get_args(argv=None):
     ap.add_argument("--quality-temperature", type=float, default=1.0,
                     help="sampling temperature of the sweep")
     ap.add_argument("--quality-max-new-tokens", type=int, default=256, help="answer length limit per problem")
+    ap.add_argument("--dtype", default=None, choices=("int8", "float32", "bfloat16", "float16"),
+                    help="the target's weights, as decode.py's --dtype (default: float32 on CPU, bfloat16 on "
+                         "CUDA)")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the target's decode step as decode.py does; auto = on for CUDA only")
     ap.add_argument("--decode-table", default="auto",
@@ -530,6 +568,9 @@ def get_args(argv=None):
     ap.add_argument("--decode-table-compile", default="auto", choices=("auto", "both", "off"),
                     help="time torch.compile'd steps next to eager ones; auto = both on CUDA, eager only on "
                          "CPU (a compile costs ~1 min per query length there)")
+    ap.add_argument("--int8-quality", type=int, default=0, metavar="N",
+                    help="compare the int8 target with fp32 on N held-out GSM8K texts: top-1 agreement and "
+                         "perplexity (CPU)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
     ap.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
     ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
@@ -632,7 +673,7 @@ def print_report(args, summary: dict, quality: dict, table: list):
             print(f"| {label} | {r['family']} | {r['block_efficiency']:.2f} | {r['accuracy']:.3f} | "
                   f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | {r['n']} |")
     if table:
-        print(f"\ndecode speed, random weights, {table[0]['dtype']}, copy bandwidth "
+        print(f"\ndecode speed, random weights, copy bandwidth "
               f"{table[0]['bandwidth_gb_s']:.0f} GB/s\n")
         ks = list(table[0]["verify_cost"])
         print("| shape | torch.compile | weights read/step | floor | ms/token | tokens/s | of floor | "
@@ -640,7 +681,8 @@ def print_report(args, summary: dict, quality: dict, table: list):
         print("|---|---|---|---|---|---|---|" + "---|" * len(ks))
         for r in table:
             costs = " | ".join(f"{v:.2f}x" for v in r["verify_cost"].values())
-            print(f"| {r['target']} | {r['compile_mode'] or 'eager'} | {r['weight_gb_per_step']:.2f} GB | "
+            print(f"| {r['target']}, {r['dtype']} | {r['compile_mode'] or 'eager'} | "
+                  f"{r['weight_gb_per_step']:.2f} GB | "
                   f"{r['floor_ms']:.2f} ms | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | "
                   f"{100 * r['fraction_of_floor']:.0f}% | {costs} |")
 
@@ -650,7 +692,8 @@ def main(argv=None):
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     summary, records, quality = {}, {}, {}
     if not args.speed_off or args.quality:
-        target, tokenizer = load_target(args.target, args.device, dtype, 4096, pack=not args.compile)
+        weights = target_weights(args.dtype, args.device, args.compile)
+        target, tokenizer = load_target(args.target, args.device, weights, 4096)
         args.step_fn = compile_step(target) if args.compile else None
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
         if not args.speed_off:
@@ -661,8 +704,14 @@ def main(argv=None):
         del target
         args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
     table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile,
-                               verify_k=(args.num_draft_tokens,)) if args.decode_table else []
+                               int8=args.device == "cpu",
+                               verify_k=sorted({3, 5, 7, args.num_draft_tokens})) if args.decode_table else []
+    int8_check = int8_quality(args.target, args.int8_quality) if args.int8_quality else {}
     print_report(args, summary, quality, table)
+    if int8_check:
+        print(f"\nint8 against fp32 on {int8_check['tokens']} tokens of held-out text: top-1 agreement "
+              f"{int8_check['top1_agreement']:.3f}, perplexity {int8_check['perplexity_fp32']:.3f} -> "
+              f"{int8_check['perplexity_int8']:.3f}")
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
@@ -678,7 +727,8 @@ def main(argv=None):
                    "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
                    "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                    "python": platform.python_version()},
-        "speed": summary, "quality": quality, "decode_table": table, "plots": [shown(p) for p in images],
+        "speed": summary, "quality": quality, "decode_table": table, "int8_quality": int8_check,
+        "plots": [shown(p) for p in images],
         "runs": records,  # every run on every prompt, its tokens included
     }
     out = write_results(out, result)

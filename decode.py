@@ -46,14 +46,28 @@ def compile_step(target):
     return torch.compile(target, dynamic=False)
 
 
-def load_target(name_or_path: str, device: str, dtype: torch.dtype, max_seq_len: int, pack: bool = True):
-    """Resolve, load and prepare a model for inference: caches allocated, CPU weights packed."""
+def load_target(name_or_path: str, device: str, weights: str, max_seq_len: int):
+    """Resolve, load and prepare a model for inference: caches allocated and the weights in the
+    form asked for: 'int8' (CPU), 'packed' fp32 (CPU, oneDNN's layout), or a torch dtype name."""
     path = M.resolve_model(name_or_path)
+    dtype = getattr(torch, weights) if weights not in ("int8", "packed") else torch.float32
     target = M.load_model(path, dtype=dtype, device=device)
     target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))
-    if pack:
+    if weights == "int8":
+        M.quantize_int8(target)
+    elif weights == "packed":
         M.pack_for_cpu(target)
     return target, load_tokenizer(path)
+
+
+def target_weights(dtype: str | None, device: str, compiled: bool) -> str:
+    """--dtype as load_target takes it: by default packed fp32 on a CPU (unless torch.compile packs
+    the weights itself), bfloat16 on CUDA. int8 is CPU-only and opt-in (README: its speed and its
+    cost in quality)."""
+    dtype = dtype or ("bfloat16" if device != "cpu" else "float32")
+    if dtype == "int8" and (device != "cpu" or compiled):
+        raise ValueError("--dtype int8 runs on the CPU, uncompiled; use bfloat16 on a GPU")
+    return "packed" if dtype == "float32" and device == "cpu" and not compiled else dtype
 
 
 @dataclass
@@ -323,13 +337,17 @@ def get_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (capped by the model's)")
     ap.add_argument("--device", default=default_device())
-    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                    help="default: float32 on CPU (no bf16 units), bfloat16 on CUDA")
+    ap.add_argument("--dtype", default=None, choices=("int8", "float32", "bfloat16", "float16"),
+                    help="the target's weights. Default: float32 on CPU (no bf16 units), bfloat16 on CUDA. "
+                         "int8 (CPU): int8 weights and per-token int8 activations, ~1.75x fp32's one-token "
+                         "speed with a small loss in quality (README); the target then is the int8 model, "
+                         "and greedy speculative decoding reproduces its plain decoding bit for bit")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the decode step; auto = on for CUDA, off for CPU, where it measured "
                          "slower than the packed eager model, after ~1 min of compiling per block length")
     ap.add_argument("--no-pack", dest="pack", action="store_false",
-                    help="keep nn.Linear weights as they are on CPU (packing is ~1.5x faster)")
+                    help="with --dtype float32 on CPU, keep nn.Linear weights as they are (packing them in "
+                         "oneDNN's layout is ~1.5x faster)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of results per prompt")
     args = ap.parse_args(argv)
     for name in ("temperature", "top_p", "p_base", "eps", "delta", "lam", "lenience", "ceiling"):
@@ -393,11 +411,11 @@ def main(argv=None):
     verifier = make_verifier(args)  # bad parameters and prompts fail before any weights load
     prompts = read_prompts(repo_path(args.prompt_file)) if args.prompt_file else \
         [args.prompt if args.prompt is not None else "Explain in three sentences why the sky is blue."]
-    default_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16  # CPUs here lack bf16 units
-    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype
     compiled = wants_compile(args.compile, args.device)
-    target, tokenizer = load_target(args.target, args.device, dtype, args.max_seq_len,
-                                    args.pack and not compiled)
+    weights = target_weights(args.dtype, args.device, compiled)
+    if weights == "packed" and not args.pack:
+        weights = "float32"
+    target, tokenizer = load_target(args.target, args.device, weights, args.max_seq_len)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     draft = None
     if args.verifier != "none":

@@ -169,6 +169,9 @@ class KVCache(nn.Module):
         return self.k[:B], self.v[:B]
 
 
+ROW_BY_ROW_MAX = 32  # longer inputs (prompt prefills) attend in one call: both decoding modes share them
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, in_dim: int | None = None):
         super().__init__()
@@ -180,6 +183,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.kv_cache: KVCache | None = None
+        self.row_by_row = False
 
     def project(self, x, cos, sin):
         """(B, T, in_dim) -> q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), RoPE applied."""
@@ -203,6 +207,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, input_pos, kv_len):
         q, k, v = self.project(x, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, kv_heads, max_seq_len, head_dim)
+        if self.row_by_row and 1 < q.shape[2] <= ROW_BY_ROW_MAX and mask is not None and mask.dim() == 2:
+            # a verification block: each query attends exactly as a one-token step would (the same
+            # kernel on the same keys), so the block's outputs are bit for bit the one-token ones
+            rows = [F.scaled_dot_product_attention(q[:, :, t:t + 1], k[:, :, :int(p) + 1],
+                                                   v[:, :, :int(p) + 1],
+                                                   enable_gqa=self.n_kv_head != self.n_head)
+                    for t, p in enumerate(input_pos.tolist())]
+            return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2))
         # only the first kv_len cache slots can be visible; attending to the rest is wasted bandwidth
         return self.attend(q, k[:, :, :kv_len], v[:, :, :kv_len], mask)
 
@@ -246,7 +258,7 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int):
         """Allocate the KV caches and the RoPE table for sequences of up to max_seq_len tokens."""
-        weight = self.lm_head.weight
+        weight = self.embed_tokens.weight  # (never packed or quantized: its dtype is the model's)
         self.max_seq_len = max_seq_len
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_len,
@@ -309,7 +321,7 @@ class PackedLinear(nn.Module):
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
-    """The (out, in) weight of an nn.Linear or a PackedLinear, as an ordinary tensor."""
+    """The (out, in) weight of an nn.Linear, a PackedLinear or an Int8Linear, as an ordinary tensor."""
     w = linear.weight
     return w.to_dense() if w.layout == torch._mkldnn else w
 
@@ -323,6 +335,53 @@ def pack_for_cpu(model: nn.Module, batch_hint: int = 8) -> nn.Module:
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, PackedLinear(child, batch_hint))
+    return model
+
+
+class Int8Linear(nn.Module):
+    """A frozen nn.Linear with int8 weights (symmetric, one scale per output channel) that quantizes
+    its input per token (one scale per row) and multiplies in integers (torch._int_mm). Integer
+    sums are exact, so each row's output depends on that row alone: verifying k+1 tokens in one
+    forward gives each token exactly what a one-token step gives it, and greedy speculative
+    decoding reproduces plain decoding of this model bit for bit. (fbgemm's dynamic int8 Linear
+    quantizes the whole input with one scale, so its outputs change with the batch around them.)"""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()  # (out, in)
+        self.out_features = linear.out_features
+        self.register_buffer("weight_scale", w.abs().amax(1).clamp_min(1e-12) / 127)  # (out,)
+        weight_int8 = (w / self.weight_scale[:, None]).round().to(torch.int8)  # (out, in)
+        self.register_buffer("weight_int8", weight_int8)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1]).float()  # (m, in)
+        scale = rows.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127  # (m, 1): per token
+        xq = (rows / scale).round().to(torch.int8)
+        y = torch._int_mm(xq, self.weight_int8.t()) * (scale * self.weight_scale)  # (m, out) int32 -> fp32
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    @property
+    def weight(self):  # what dense_weight and the draft initialisation read
+        return self.weight_int8.float() * self.weight_scale[:, None]
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Swap every nn.Linear of a CPU inference model for an Int8Linear (in place): int8 weights,
+    fp32 everywhere else (embeddings, norms, attention). A decode step on a CPU waits for the
+    bytes of its weights, and int8 ones are a quarter of fp32's."""
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        raise ValueError("int8 weights run on the CPU only; use bfloat16 on a GPU")
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, Int8Linear(child))
+        if isinstance(module, Attention):
+            module.row_by_row = True
     return model
 
 

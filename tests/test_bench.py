@@ -107,6 +107,14 @@ def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, com
     assert row["tokens_per_s"] == pytest.approx(1e3 / row["ms_per_token"])
     assert set(row["verify_cost"]) == {4, 8} and all(v > 0 for v in row["verify_cost"].values())
     assert row["params_b"] * 1e9 == pytest.approx(floats + (0 if tied else 320 * d))
+    if compiled:
+        return
+    # int8: every Linear weight (the lm_head too) one byte a value, the norms still fp32
+    rows = bench.decode_speed_table(["tiny"], "cpu", torch.float32, compile_modes=(False,), int8=True,
+                                    verify_k=(3,), context=32, reps=3, copy_bytes=1 << 24)
+    assert [r["dtype"] for r in rows] == ["float32", "int8"]
+    norms = 2 * (2 * d + 2 * hd) + d
+    assert rows[1]["weight_gb_per_step"] * 1e9 == (floats - norms) + 4 * norms
 
 
 @needs_bwrap

@@ -16,10 +16,10 @@ from verify import Verifier, probs_from_logits
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load(path, batch=1):
+def load(path, batch=1, int8=False):
     m = M.load_model(path)
     m.setup_caches(batch, 256)
-    return m
+    return M.quantize_int8(m) if int8 else m
 
 
 class WrongDraft(ModelDraft):
@@ -45,11 +45,12 @@ def other_tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("which", ["wrong", "right", "lookup", "independent"])
-def test_greedy_speculative_equals_plain(tiny, other_tiny, k, which):
-    target = load(tiny)
+@pytest.mark.parametrize("int8", [False, True])
+def test_greedy_speculative_equals_plain(tiny, other_tiny, k, which, int8):
+    target = load(tiny, int8=int8)  # an int8 target is its own model: spec must equal its plain decoding
     prompt = [5, 17, 3, 5, 17, 3, 5, 17, 3, 42, 8]
     plain = generate(target, prompt, max_new_tokens=40)
-    draft = {"wrong": lambda: WrongDraft(load(tiny)), "right": lambda: ModelDraft(load(tiny)),
+    draft = {"wrong": lambda: WrongDraft(load(tiny, int8=int8)), "right": lambda: ModelDraft(load(tiny, int8=int8)),
              "lookup": LookupDraft, "independent": lambda: ModelDraft(load(other_tiny))}[which]()
     spec = generate(target, prompt, draft, Verifier("greedy"), k=k, max_new_tokens=40)
     assert spec["tokens"] == plain["tokens"]
@@ -76,14 +77,15 @@ def sequence_distribution(target, prompt, n_new, temperature, V=16):
     return probs
 
 
-@pytest.mark.parametrize("n_new,runs", [(2, 3000), pytest.param(3, 20000, marks=pytest.mark.slow)])
-def test_lossless_reproduces_the_target_sequence_distribution(tmp_path_factory, n_new, runs):
+@pytest.mark.parametrize("n_new,runs,int8", [(2, 3000, False), (2, 3000, True),
+                                             pytest.param(3, 20000, False, marks=pytest.mark.slow)])
+def test_lossless_reproduces_the_target_sequence_distribution(tmp_path_factory, n_new, runs, int8):
     """Enumerate every continuation of a 16-token vocabulary and compare frequencies."""
     from conftest import write_tiny_checkpoint
     d_t, d_q = tmp_path_factory.mktemp("t16"), tmp_path_factory.mktemp("q16")
     write_tiny_checkpoint(d_t, "llama3", seed=1, vocab=16)
     write_tiny_checkpoint(d_q, "llama3", seed=2, vocab=16, layers=1)
-    target, draft_model, temperature = load(d_t), load(d_q), 0.04  # random weights give flat logits
+    target, draft_model, temperature = load(d_t, int8=int8), load(d_q), 0.04  # random weights: flat logits
     prompt = [1, 2, 3, 4]
     exact = sequence_distribution(target, prompt, n_new, temperature)
 
@@ -140,6 +142,21 @@ def test_default_target_prompt_lookup(smollm2_dir):
     assert f"{spec['new_tokens']} tokens" in summary and f"tau {spec['tau']:.2f}" in summary
     assert f"{spec['target_forwards']} target forwards" in summary and f"{spec['drafted_tokens']} drafted" in summary
     assert r.stderr.strip().splitlines()[-1].startswith(f"[plain decoding, T=0] {plain['new_tokens']} tokens")
+
+
+def test_default_target_in_int8_decodes_exactly_like_itself(smollm2_dir):
+    """The int8 default target: greedy lookup speculation reproduces its own plain decoding bit for
+    bit (verification blocks attend row by row, and the int8 matmuls are exact per row)."""
+    from decode import load_target
+    from tokenizer import load_tokenizer
+    target, tokenizer = load_target(str(smollm2_dir), "cpu", "int8", 512)
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Repeat the following list exactly, one item per "
+                                  "line: apples, bananas, cherries, dates, elderberries, figs, grapes."}])
+    plain = generate(target, ids, max_new_tokens=48, stop_ids=tokenizer.stop_ids)
+    spec = generate(target, ids, LookupDraft(), Verifier("greedy"), k=7, max_new_tokens=48,
+                    stop_ids=tokenizer.stop_ids)
+    assert spec["tokens"] == plain["tokens"] and spec["target_forwards"] < plain["target_forwards"]
+    assert load_tokenizer(smollm2_dir).decode(plain["tokens"]).strip()  # and it says something
 
 
 def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):

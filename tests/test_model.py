@@ -71,6 +71,29 @@ def test_kv_cache_incremental_equals_full_and_rewinds(tiny_dir, pack):
         assert (again - full[:, 20:30]).abs().max() < 1e-4
 
 
+def test_int8_linear_is_close_to_fp32_and_exact_per_row():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True)
+    q = M.Int8Linear(linear)
+    x = torch.randn(5, 3, 64)
+    ref = linear(x)
+    assert ((q(x) - ref).norm() / ref.norm()).item() < 0.02  # int8 weights and activations: about 1%
+    # each row depends on itself alone: the same token alone or in a block gives the same bits
+    assert all(torch.equal(q(x[:, i:i + 1]), q(x)[:, i:i + 1]) for i in range(3))
+    assert torch.allclose(M.dense_weight(q), linear.weight, atol=linear.weight.abs().max().item() / 127)
+
+
+def test_int8_target_blocks_equal_one_token_steps(tiny_dir):
+    """A verification block on the int8 target gives bit for bit what one-token steps give."""
+    m = M.quantize_int8(ours(tiny_dir("qwen3_untied")))
+    tokens = torch.randint(0, 97, (1, 30))
+    with torch.no_grad():
+        m(tokens[:, :20], torch.arange(20))
+        block, _ = m(tokens[:, 20:28], torch.arange(20, 28))
+        steps = [m(tokens[:, i:i + 1], torch.tensor([i]))[0] for i in range(20, 28)]
+    assert torch.equal(block, torch.cat(steps, 1))
+
+
 def test_default_target_matches_transformers(smollm2_dir):
     tok = load_tokenizer(smollm2_dir)
     ids = tok.encode_chat([{"role": "user", "content": "List three prime numbers and explain why they are prime."}])
