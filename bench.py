@@ -387,8 +387,9 @@ def random_target(shape: dict, device: str, dtype: torch.dtype) -> M.Transformer
     return net
 
 
-def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(False, True), int8: bool = False,
-                       verify_k=(3, 5, 7), context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30):
+def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(False, True),
+                       int8: bool = False, verify_k=(3, 5, 7), context: int = 256, reps: int = 20,
+                       copy_bytes: int = 1 << 30):
     """Per shape: one decode step compiled and/or eager (packed fp32 on a CPU), and with int8
     weights when asked (CPU), against the bandwidth floor of the bytes that step reads."""
     bandwidth = copy_bandwidth(device, copy_bytes)
@@ -740,7 +741,7 @@ def main(argv=None):
                       "tau": {n: s["tau"] for n, s in summary.items() if s["tau"]},
                       "quality": {t: {lb: r["accuracy"] for lb, r in rs.items()}
                                   for t, rs in quality.items()},
-                      "decode_tokens_per_s": {r["target"] + (" compiled" if r["compiled"] else ""):
+                      "decode_tokens_per_s": {f"{r['target']} {r['dtype']} {r['compile_mode'] or 'eager'}":
                                               r["tokens_per_s"] for r in table}}))
 
 
