@@ -577,6 +577,13 @@ def get_args(argv=None):
     ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--out", default=None, help="JSON results path; results/bench-<time>.json when omitted")
     args = ap.parse_args(argv)
+    check_and_complete(ap, args)
+    return args
+
+
+def check_and_complete(ap, args):
+    """Parse the lists, refuse bad values in one line, and check that the results can be written,
+    all before hours of measuring."""
     if args.quick:
         args.limit, args.max_new_tokens, args.warmup = 1, 16, 0
         args.categories = args.categories or "writing,translation"
@@ -610,7 +617,6 @@ def get_args(argv=None):
             check_sandbox()
         except SandboxError as e:
             ap.error(str(e))
-    return args
 
 
 def unwritable(path: Path) -> str | None:

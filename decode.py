@@ -350,6 +350,12 @@ def get_args(argv=None):
                          "oneDNN's layout is ~1.5x faster)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of results per prompt")
     args = ap.parse_args(argv)
+    check_and_complete(ap, args)
+    return args
+
+
+def check_and_complete(ap, args):
+    """Refuse bad values in one line, then fill in what was left out (README: the defaults table)."""
     for name in ("temperature", "top_p", "p_base", "eps", "delta", "lam", "lenience", "ceiling"):
         value = getattr(args, name)
         if value is not None and not math.isfinite(value):
@@ -383,7 +389,6 @@ def get_args(argv=None):
         args.verifier = "none" if args.draft is None else ("greedy" if args.temperature == 0 else "lossless")
     if args.verifier != "none" and args.draft is None:
         args.draft = "lookup"  # a verifier needs something to verify; the training-free draft
-    return args
 
 
 def make_verifier(args) -> Verifier:

@@ -603,6 +603,43 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.ggml.") or k in ("tokenizer.ggml.bos_token_id",
                                                             "tokenizer.ggml.eos_token_id")}
+    tensors = gguf_tensors_in_hf_names(reader, meta)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": int(meta["llama.vocab_size"]), "hidden_size": int(meta["llama.embedding_length"]),
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": int(meta["llama.block_count"]),
+        "num_attention_heads": int(meta["llama.attention.head_count"]),
+        "num_key_value_heads": int(meta["llama.attention.head_count_kv"]), "rms_norm_eps": 1e-5,
+        "rope_theta": float(meta["llama.rope.freq_base"]),
+        "max_position_embeddings": int(meta["llama.context_length"]),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
+        "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
+        "torch_dtype": "float32",
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "tokenizer.json").write_text(json.dumps(gguf_tokenizer_json(reader), ensure_ascii=False))
+        template = {"chat_template": meta["tokenizer.chat_template"]}
+        (tmp / "tokenizer_config.json").write_text(json.dumps(template))
+        try:
+            tmp.rename(out_dir)
+        except OSError:  # another process finished first: keep theirs
+            if not (out_dir / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def gguf_tensors_in_hf_names(reader, meta: dict) -> dict:
+    """Every tensor of the GGUF, dequantized to fp32 and renamed to the HF layout."""
+    import gguf
     n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
     names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -623,22 +660,14 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
         else:
             key = f"{names[parts[0]]}.{parts[1]}"
         tensors[key] = torch.from_numpy(w.astype("float32").copy())
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": int(meta["llama.vocab_size"]), "hidden_size": int(meta["llama.embedding_length"]),
-        "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": int(meta["llama.block_count"]), "num_attention_heads": int(n_head),
-        "num_key_value_heads": int(n_kv), "rms_norm_eps": 1e-5,
-        "rope_theta": float(meta["llama.rope.freq_base"]),
-        "max_position_embeddings": int(meta["llama.context_length"]),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
-        "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
-        "torch_dtype": "float32",
-    }
+    return tensors
+
+
+def gguf_tokenizer_json(reader) -> dict:
+    """The GGUF's vocabulary and merges as a minimal HF tokenizer.json (tokenizer.py reads it)."""
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     token_types = reader.fields["tokenizer.ggml.token_type"].contents()
-    tokenizer_json = {
+    return {
         "added_tokens": [{"id": i, "content": s, "special": True}
                          for i, (s, ty) in enumerate(zip(tokens, token_types))
                          if ty == 3],  # gguf token type 3 = control
@@ -648,20 +677,3 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
         "model": {"type": "BPE", "vocab": {s: i for i, s in enumerate(tokens)},
                   "merges": reader.fields["tokenizer.ggml.merges"].contents()},
     }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=out_dir.parent))
-    tmp.chmod(0o755)
-    try:
-        save_file(tensors, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
-        template = {"chat_template": meta["tokenizer.chat_template"]}
-        (tmp / "tokenizer_config.json").write_text(json.dumps(template))
-        try:
-            tmp.rename(out_dir)
-        except OSError:  # another process finished first: keep theirs
-            if not (out_dir / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir

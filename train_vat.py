@@ -524,6 +524,20 @@ def get_args(argv=None):
     for name, value in (CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    check_settings(ap, args)
+    name = f"{args.target.replace('/', '_')}-{args.draft}-{args.objective}" + ("-quick" if args.quick else "")
+    args.out = Path(args.out or ROOT / "runs" / name)
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out} is a file, not a directory")
+    if args.quick and not args.resume and args.out == ROOT / "runs" / name and args.out.is_dir():
+        shutil.rmtree(args.out)  # the smoke run's own folder: nothing in it is worth keeping
+    if not args.resume and (checkpoint_dirs(args.out) or (args.out / "checkpoint").exists()):
+        ap.error(f"{args.out} already holds checkpoints: pass --resume to continue them, or another --out")
+    return args
+
+
+def check_settings(ap, args):
+    """Every setting checked before any data is generated or weights are loaded."""
     for name in ("steps", "batch_size", "seq_len", "ttt_steps", "block_size", "draft_vocab", "gen_batch",
                  "save_every", "response_tokens", "max_prompt_tokens", "eval_k", "blocks_per_seq"):
         if getattr(args, name) < 1:
@@ -542,22 +556,13 @@ def get_args(argv=None):
     if not args.vat_parts or any(p not in VAT_PARTS for p in args.vat_parts):
         ap.error(f"--vat-parts takes a comma-separated subset of {','.join(VAT_PARTS)}")
     files = [p for p in args.data.split(",") if p and p != "self"]
-    n_prompts = (args.num_prompts if args.num_prompts and files else 10 ** 9) + \
-        (args.self_prompts if "self" in args.data.split(",") else 0)
+    from_files = (args.num_prompts or 10 ** 9) if files else 0  # 0 takes every prompt: count unknown yet
+    n_prompts = from_files + (args.self_prompts if "self" in args.data.split(",") else 0)
     if args.eval_prompts >= n_prompts:
         ap.error(f"--eval-prompts {args.eval_prompts} would hold out all {n_prompts} prompts")
     for path in files:
         if not repo_path(path).is_file():
             ap.error(f"prompt file not found: {path}")
-    name = f"{args.target.replace('/', '_')}-{args.draft}-{args.objective}" + ("-quick" if args.quick else "")
-    args.out = Path(args.out or ROOT / "runs" / name)
-    if args.out.exists() and not args.out.is_dir():
-        ap.error(f"--out {args.out} is a file, not a directory")
-    if args.quick and not args.resume and args.out == ROOT / "runs" / name and args.out.is_dir():
-        shutil.rmtree(args.out)  # the smoke run's own folder: nothing in it is worth keeping
-    if not args.resume and (checkpoint_dirs(args.out) or (args.out / "checkpoint").exists()):
-        ap.error(f"{args.out} already holds checkpoints: pass --resume to continue them, or another --out")
-    return args
 
 
 def announce_defaults(args):

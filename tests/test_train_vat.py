@@ -159,6 +159,7 @@ def test_a_cut_off_log_does_not_stop_a_resume(tmp_path, capsys):
     (["--warmup", "-1"], "--warmup must be >= 0"),
     (["--eval-prompts", "901"], "would hold out all 900 prompts"),
     (["--data", "data/gsm8k_test.jsonl", "--num-prompts", "5", "--eval-prompts", "5"], "hold out all 5"),
+    (["--data", "self", "--self-prompts", "5", "--eval-prompts", "5"], "hold out all 5"),
     (["--data", "nowhere.jsonl"], "prompt file not found"),
     (["--time-budget", "0"], "--time-budget must be > 0"),
     (["--lr", "nan"], "--lr > 0"),
