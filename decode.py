@@ -98,10 +98,12 @@ def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, stat
     """The algorithm: the draft guesses k tokens; one target forward scores the last committed
     token and the k guesses at positions [L-1, L+k-1]; the verifier keeps n guesses and adds one
     token of its own. Returns the n + 1 new tokens, n, and the target's hidden states there."""
-    t0 = time.perf_counter()
-    guesses, q = draft.propose(k) if k > 0 else (torch.tensor([], dtype=torch.long), None)
-    synchronize(device)
-    stats.draft_seconds += time.perf_counter() - t0
+    guesses, q = torch.tensor([], dtype=torch.long), None
+    if k > 0:  # (plain decoding pays no timing and no GPU sync here)
+        t0 = time.perf_counter()
+        guesses, q = draft.propose(k)
+        synchronize(device)
+        stats.draft_seconds += time.perf_counter() - t0
     x = torch.cat([torch.tensor([seq[-1]]), guesses.cpu()]).to(device)[None]  # (1, n_guesses + 1)
     positions = torch.arange(len(seq) - 1, len(seq) + len(guesses), device=device)
     logits, hidden = step_fn(x, positions, hidden_layers=draft.target_layers)

@@ -183,6 +183,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.kv_cache: KVCache | None = None
+        # an int8 target (quantize_int8) attends verification blocks one query at a time: rounding
+        # activations to int8 would turn the float noise of a different kernel into different tokens
         self.row_by_row = False
 
     def project(self, x, cos, sin):
@@ -210,10 +212,10 @@ class Attention(nn.Module):
         if self.row_by_row and 1 < q.shape[2] <= ROW_BY_ROW_MAX and mask is not None and mask.dim() == 2:
             # a verification block: each query attends exactly as a one-token step would (the same
             # kernel on the same keys), so the block's outputs are bit for bit the one-token ones
-            rows = [F.scaled_dot_product_attention(q[:, :, t:t + 1], k[:, :, :int(p) + 1],
-                                                   v[:, :, :int(p) + 1],
-                                                   enable_gqa=self.n_kv_head != self.n_head)
-                    for t, p in enumerate(input_pos.tolist())]
+            gqa = self.n_kv_head != self.n_head
+            rows = [F.scaled_dot_product_attention(q[:, :, t:t + 1], k[:, :, :p + 1], v[:, :, :p + 1],
+                                                   enable_gqa=gqa)
+                    for t, p in enumerate(input_pos.tolist())]  # (B, heads, 1, head_dim) each
             return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2))
         # only the first kv_len cache slots can be visible; attending to the rest is wasted bandwidth
         return self.attend(q, k[:, :, :kv_len], v[:, :, :kv_len], mask)
