@@ -40,8 +40,8 @@ from tqdm import tqdm
 
 import model as M
 from decode import (DEFAULT_DRAFTS, build_draft, check_prompt, compile_step, default_device, generate,
-                    load_target, prompt_text, read_jsonl, repo_path, repo_relative, target_weights,
-                    wants_compile)
+                    load_target, pick_threads, prompt_text, read_jsonl, repo_path, repo_relative,
+                    target_weights, wants_compile)
 from sandbox import SandboxError, check_sandbox, run_untrusted
 from verify import VERIFIERS, Verifier
 
@@ -575,6 +575,9 @@ def get_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
     ap.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
     ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
+    ap.add_argument("--threads", default="auto",
+                    help="CPU threads, as decode.py's; the results record the number used. For timings, "
+                         "run with nothing else busy: auto then uses every core")
     ap.add_argument("--out", default=None, help="JSON results path; results/bench-<time>.json when omitted")
     args = ap.parse_args(argv)
     check_and_complete(ap, args)
@@ -584,6 +587,8 @@ def get_args(argv=None):
 def check_and_complete(ap, args):
     """Parse the lists, refuse bad values in one line, and check that the results can be written,
     all before hours of measuring."""
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
+        ap.error(f"--threads takes auto or a whole number >= 1, got {args.threads}")
     if args.quick:
         args.limit, args.max_new_tokens, args.warmup = 1, 16, 0
         args.categories = args.categories or "writing,translation"
@@ -696,6 +701,8 @@ def print_report(args, summary: dict, quality: dict, table: list):
 
 def main(argv=None):
     args = get_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(pick_threads(args.threads))
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     summary, records, quality = {}, {}, {}
     if not args.speed_off or args.quality:

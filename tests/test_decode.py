@@ -205,3 +205,20 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
     want = generate(eager, prompt, LookupDraft(), Verifier("greedy"), 3, 24)
     got = generate(compiled, prompt, LookupDraft(), Verifier("greedy"), 3, 24, step_fn=step)
     assert got["tokens"] == want["tokens"] and got["target_forwards"] == want["target_forwards"]
+
+
+def test_auto_threads_leave_a_busy_core_alone():
+    """--threads auto counts the cores nothing else uses: a busy process beside us takes one away."""
+    import os
+    from decode import pick_threads
+    assert pick_threads("3") == 3
+    if (os.cpu_count() or 1) < 2 or torch.get_num_threads() < 2:
+        pytest.skip("needs two cores")
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+        time.sleep(0.5)
+        assert pick_threads("auto") <= torch.get_num_threads() - 1
+    finally:
+        busy.kill()
+        busy.wait()
