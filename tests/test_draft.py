@@ -290,3 +290,22 @@ def test_dflash_block_cap_is_not_counted_as_early_exit(target):
     # k = 6 asks for more than a block holds: the 3 it cannot draft are not positions an early exit saved
     assert out["early_exit_saved"] == 0
     assert 0 < out["drafted_tokens"] <= 3 * out["target_forwards"]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_packed_drafts_propose_what_plain_ones_do(target, kind):
+    """decode.py packs a draft's Linears for CPU inference: the same guesses, the same q."""
+    import copy
+    net = eagle3_net(target) if kind == "eagle3" else dflash_net(target)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    feats = features(target, torch.tensor([prompt[:-1]]), net.target_layers)[0]
+    packed = M.pack_for_cpu(copy.deepcopy(net))
+    assert any(isinstance(m, M.PackedLinear) for m in packed.modules())
+    outs = []
+    for n in (net, packed):
+        g = torch.Generator().manual_seed(0)
+        d = (Eagle3Draft(n, target.embed_tokens, 128, temperature=1.0, generator=g) if kind == "eagle3" else
+             DFlashDraft(n, target.embed_tokens, target.lm_head, 128, temperature=1.0, generator=g))
+        d.start(prompt, feats)
+        outs.append(d.propose(4))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.allclose(outs[0][1], outs[1][1], atol=1e-5)
