@@ -800,8 +800,7 @@ def latest_checkpoint(out: Path, target):
             return net, state, read_log(folder / "log.jsonl")[:step]
         except Exception as e:  # any damage means: not this one
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            print(f"warning: skipping checkpoint {folder}: {reason}",
-                  file=sys.stderr)
+            print(f"warning: skipping checkpoint {folder}: {reason}", file=sys.stderr)
     return None
 
 
