@@ -29,6 +29,8 @@ token) and DFlash (a block-diffusion drafter filling B-1 masked positions in one
 """
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -573,8 +575,6 @@ def write_draft_files(net, folder: Path, target_args: M.ModelArgs, extra_config:
 
 def save_draft(net, path, target_args: M.ModelArgs, extra_config: dict | None = None, dtype=torch.bfloat16):
     """Write a draft directory atomically: a temporary directory, renamed into place once whole."""
-    import shutil
-    import tempfile
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=path.parent))
@@ -590,7 +590,6 @@ def save_draft(net, path, target_args: M.ModelArgs, extra_config: dict | None = 
 def replace_directory(new: Path, path: Path):
     """Move the complete directory `new` to `path`. An older `path` is first renamed aside, so a
     kill in between leaves it under <path>.old, never half-deleted."""
-    import shutil
     if path.exists():
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
