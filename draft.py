@@ -203,15 +203,6 @@ class Eagle3(nn.Module):
         return out.index_copy_(-1, self.draft_to_target(), draft_probs)
 
 
-def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
-    """Training-time test attention, (T, (step+1)*T) bool: at unrolled step s the query of base
-    position t sees the real prefix (step-0 keys at positions <= t) and, of every later step
-    1..s, only the key of its own chain (same t): exactly what drafting from t sees at inference."""
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    diagonal = torch.eye(T, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [diagonal] * step, dim=1)
-
-
 class Eagle3Draft:
     """Drives an Eagle3 network inside decode.py's loop (see the module docstring).
 

@@ -41,7 +41,7 @@ from tqdm import tqdm
 import model as M
 from decode import default_device, generate, read_prompts, repo_path
 from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers,
-                   eagle3_target_layers, load_draft, replace_directory, ttt_mask, write_draft_files)
+                   eagle3_target_layers, load_draft, replace_directory, write_draft_files)
 from tokenizer import load_tokenizer
 from verify import Verifier, probs_from_logits, sample
 
@@ -142,28 +142,59 @@ def objective(draft_logits, head_logits, target_logp, valid, args, native: str, 
 # -----------------------------------------------------------------------------
 # The two drafts' training forwards
 
-def eagle3_ttt(net: Eagle3, embed, tokens, features, K: int):
-    """Training-time test: unroll K draft steps over every base position at once.
-    tokens (B, T), features (B, T, 3*dim_t) -> draft logits (B, K, T, Vd), head logits (B, K, T).
-    Step s at base t feeds (state, embedding of token t+1+s) at position t+s and predicts t+2+s."""
+def eagle3_chains(net: Eagle3, embed, tokens, features, b, t, K: int):
+    """Training-time test, computed only for the chains that carry loss: the N chains at base
+    positions (b, t) (each (N,)) of tokens (B, T) and features (B, T, 3*dim_t). Returns draft
+    logits (N, K, Vd) and head logits (N, K). Step s of the chain at base t feeds (state, embedding
+    of token t+1+s) at position t+s and predicts token t+2+s; its query sees the step-0 keys of
+    positions <= t (the real prefix) and its own chain's keys of steps 1..s: exactly what drafting
+    from t sees at inference (ttt_mask draws the same pattern for every base at once)."""
     B, T = tokens.shape
     layer = net.midlayer
     cos, sin = M.rope_table(net.args, T + K, features.device, features.dtype)
     padded = torch.cat([tokens, tokens.new_zeros(B, K + 1)], 1)  # (B, T+K+1): room for the last chains
-    state = net.fc(features)  # (B, T, dim)
-    keys, values, logits, heads = [], [], [], []
+    # step 0 everywhere: its keys and values are every chain's prefix
+    grid_state = net.fc(features)  # (B, T, dim)
+    q, prefix_k, prefix_v = layer.qkv(embed(padded[:, 1:1 + T]), grid_state, cos[:T], sin[:T])
+    q = q[b, :, t]  # (N, heads, head_dim): the kept chains' queries
+    state = grid_state[b, t]  # (N, dim)
+    own_k, own_v, logits, heads = [], [], [], []
     for s in range(K):
-        embeds = embed(padded[:, 1 + s:1 + s + T])  # (B, T, dim)
-        queries, step_keys, step_values = layer.qkv(embeds, state, cos[s:s + T], sin[s:s + T])
-        keys.append(step_keys)
-        values.append(step_values)
-        attended = layer.self_attn.attend(queries, torch.cat(keys, 2), torch.cat(values, 2),
-                                          ttt_mask(T, s, tokens.device))
-        state = layer.finish(state, attended)  # (B, T, dim)
+        if s > 0:  # the chains' own steps: one row each, at position t+s
+            q, k, v = layer.qkv(embed(padded[b, t + 1 + s])[None], state[None], cos[t + s], sin[t + s])
+            own_k.append(k[0].transpose(0, 1))  # (N, kv_heads, head_dim)
+            own_v.append(v[0].transpose(0, 1))
+            q = q[0].transpose(0, 1)  # (N, heads, head_dim)
+        attended = chain_attention(q, prefix_k, prefix_v, own_k, own_v, b, t)  # (N, heads*head_dim)
+        state = layer.finish(state, layer.self_attn.o_proj(attended))  # (N, dim)
         step_logits, step_heads = net.heads(state)
         logits.append(step_logits)
         heads.append(step_heads)
     return torch.stack(logits, 1), torch.stack(heads, 1)
+
+
+def chain_attention(q, prefix_k, prefix_v, own_k: list, own_v: list, b, t):
+    """Attention of N chain queries q (N, H, hd) over their sequence's prefix, prefix_k/v
+    (B, Hkv, T, hd) at positions <= t, and over their own keys own_k/v (s of (N, Hkv, hd)).
+    Returns (N, H*hd). The prefix part runs on the (B, T) grid as one batched matmul (queries
+    scattered to their rows), because a gathered copy of every chain's prefix would cost N*T rows."""
+    N, H, hd = q.shape
+    B, Hkv, T, _ = prefix_k.shape
+    g = H // Hkv  # query heads per key head (grouped-query attention)
+    scale = hd ** -0.5
+    grid_q = q.new_zeros(B, T, H, hd).index_put((b, t), q).view(B, T, Hkv, g, hd).permute(0, 2, 3, 1, 4)
+    prefix = (grid_q @ prefix_k[:, :, None].transpose(-1, -2)).permute(0, 3, 1, 2, 4)[b, t]  # (N, Hkv, g, T)
+    later = torch.arange(T, device=q.device) > t[:, None, None, None]  # keys past the chain's base
+    scores = [prefix.masked_fill(later, float("-inf")) * scale]
+    qn = q.view(N, Hkv, g, hd)
+    if own_k:
+        scores.append(torch.einsum("nkgd,nskd->nkgs", qn, torch.stack(own_k, 1)) * scale)  # (N, Hkv, g, s)
+    weights = torch.cat(scores, -1).softmax(-1)  # (N, Hkv, g, T + s)
+    grid_w = weights.new_zeros(B, T, Hkv, g, T).index_put((b, t), weights[..., :T]).permute(0, 2, 3, 1, 4)
+    out = (grid_w @ prefix_v[:, :, None]).permute(0, 3, 1, 2, 4)[b, t]  # (N, Hkv, g, hd)
+    if own_v:
+        out = out + torch.einsum("nkgs,nskd->nkgd", weights[..., T:], torch.stack(own_v, 1))
+    return out.reshape(N, H * hd)
 
 
 def dflash_blocks(net: DFlash, embed, lm_head, tokens, features, anchors):
@@ -189,38 +220,57 @@ def dflash_blocks(net: DFlash, embed, lm_head, tokens, features, anchors):
 
 def target_pass(target, batch, layers):
     """The frozen target on a batch: its logits (B, T, V) and the features the draft reads
-    (B, T, len(layers) * dim). From the offline cache (--cache-features) the batch carries the
-    features and the final states, from which the logits are one matmul away."""
-    tokens, _, *cached = batch
+    (B, T, len(layers) * dim). From a corpus the batch carries the features (of the corpus's
+    layers) and the final-normed states, from which the logits are one matmul away."""
+    tokens, _, *captured = batch
     with torch.no_grad():
-        if cached:
-            features, final = (c.to(target.norm.weight.dtype) for c in cached)
-            return target.lm_head(target.norm(final)), features
+        if captured:
+            features, final = captured[0], captured[1].to(target.norm.weight.dtype)
+            return target.lm_head(final), captured_features(features, layers, target)
         logits, hidden = target(tokens, torch.arange(tokens.shape[1], device=tokens.device),
                                 hidden_layers=layers)
         return logits, torch.cat(hidden, -1)
 
 
+def captured_features(features, layers, target):
+    """The draft's layers out of a corpus's features (B, T, L*dim), in the draft's order."""
+    have = corpus_layers(target.args.n_layer)
+    dim = target.args.dim
+    return torch.cat([features[..., have.index(l) * dim:(have.index(l) + 1) * dim] for l in layers], -1).to(
+        target.norm.weight.dtype)
+
+
+def eagle3_target_side(net: Eagle3, target, batch):
+    """(features (B, T, 3*dim_t), the target's log-probs on the draft vocabulary (B, T, Vd), its
+    top token (B, T)): from a corpus without the target, else from a target forward."""
+    tokens, _, *captured = batch
+    with torch.no_grad():
+        if not captured:
+            logits, features = target_pass(target, batch, net.target_layers)
+            logp = F.log_softmax(logits.float(), -1)[..., net.draft_to_target()]
+            return features, logp, logits.argmax(-1)
+        features, final, lse, top = captured
+        rows = M.dense_weight(target.lm_head)[net.draft_to_target()].float()  # (Vd, dim)
+        logp = F.linear(final.float(), rows) - lse[..., None]  # (B, T, Vd), normalized over the full vocabulary
+        return captured_features(features, net.target_layers, target), logp, top.long()
+
+
 def eagle3_loss(net: Eagle3, target, batch, args):
-    """EAGLE-3's training-time test on one batch, as K-step chains from every base position."""
+    """EAGLE-3's training-time test on one batch, as K-step chains from the base positions whose
+    chain predicts at least one response token; the loss is a mean over those chains."""
     tokens, response = batch[0], batch[1].bool()
     T, K = tokens.shape[1], args.ttt_steps
-    target_logits, features = target_pass(target, batch, net.target_layers)
-    logits, heads = eagle3_ttt(net, target.embed_tokens, tokens, features, K)  # (B, K, T, Vd), (B, K, T)
-    # step s from base t predicts the token at t+2+s; the target's distribution for it sits at t+1+s
-    base, step = torch.arange(T, device=tokens.device), torch.arange(K, device=tokens.device)
-    source = base[None, :] + 1 + step[:, None]  # (K, T)
-    predicted = source + 1  # (K, T)
-    valid = (predicted < T)[None] & response[:, predicted.clamp(max=T - 1)]  # (B, K, T)
-    source = source.clamp(max=T - 1)
-    in_vocab = net.t2d[target_logits.argmax(-1)][:, source]  # (B, K, T)
-    target_logp = F.log_softmax(target_logits.float(), -1)[..., net.draft_to_target()]  # (B, T, Vd)
-    target_logp = target_logp[:, source]  # (B, K, T, Vd)
-
-    def chains(x):  # (B, K, T, ...) -> (B*T, K, ...): one chain per base position
-        return x.transpose(1, 2).flatten(0, 1)
-    return objective(chains(logits), chains(heads), chains(target_logp), chains(valid), args, native="soft",
-                     target_in_vocab=chains(in_vocab))
+    features, target_logp, target_top = eagle3_target_side(net, target, batch)
+    # the chain from base t predicts, at step s, the token at t+2+s; the target's distribution
+    # for it sits at t+1+s
+    step = torch.arange(K, device=tokens.device)
+    predicted = torch.arange(T, device=tokens.device)[:, None] + 2 + step  # (T, K)
+    valid = (predicted < T) & response[:, predicted.clamp(max=T - 1)]  # (B, T, K)
+    b, t = valid.any(-1).nonzero(as_tuple=True)  # (N,) each: the chains that carry loss
+    logits, heads = eagle3_chains(net, target.embed_tokens, tokens, features, b, t, K)  # (N, K, Vd), (N, K)
+    source = (t[:, None] + 1 + step).clamp(max=T - 1)  # (N, K)
+    return objective(logits, heads, target_logp[b[:, None], source], valid[b, t], args, native="soft",
+                     target_in_vocab=net.t2d[target_top[b[:, None], source]])
 
 
 def dflash_loss(net: DFlash, target, batch, args):
@@ -286,8 +336,11 @@ def read_prompt_files(paths, limit=None) -> list:
 
 
 @torch.no_grad()
-def batch_generate(target, prompts_ids: list, max_new_tokens: int, stop_ids, temperature=0.0, generator=None):
-    """Left-padded batched sampling (greedy by default): one weight read serves the whole batch."""
+def batch_generate(target, prompts_ids: list, max_new_tokens: int, stop_ids, temperature=0.0, generator=None,
+                   capture_layers=None):
+    """Left-padded batched sampling (greedy by default): one weight read serves the whole batch.
+    With capture_layers, also what training needs from the target at every token it reads (see
+    the corpus section): a list of per-sequence dicts of rows, one row per token of prompt + response."""
     B, P = len(prompts_ids), max(len(p) for p in prompts_ids)
     device = target.embed_tokens.weight.device
     tokens = torch.zeros(B, P, dtype=torch.long, device=device)
@@ -296,7 +349,10 @@ def batch_generate(target, prompts_ids: list, max_new_tokens: int, stop_ids, tem
         tokens[b, P - len(ids):] = torch.tensor(ids)
         key_valid[b, P - len(ids):] = True
     key_valid[:, P:] = True
-    logits, _ = target(tokens, torch.arange(P, device=device), key_valid=key_valid, last_logits_only=True)
+    wanted = () if capture_layers is None else tuple(capture_layers) + (target.args.n_layer,)
+    logits, hidden = target(tokens, torch.arange(P, device=device), key_valid=key_valid, last_logits_only=True,
+                            hidden_layers=wanted)
+    rows = [target_rows(target, hidden)] if wanted else []  # per forward: dict of (B, t, ...)
     out = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stop = torch.tensor(sorted(stop_ids), device=device)
@@ -307,8 +363,20 @@ def batch_generate(target, prompts_ids: list, max_new_tokens: int, stop_ids, tem
         done |= torch.isin(nxt, stop)
         if done.all() or P + i + 1 >= target.max_seq_len:
             break
-        logits, _ = target(nxt[:, None], torch.tensor([P + i], device=device), key_valid=key_valid)
-    return out
+        logits, hidden = target(nxt[:, None], torch.tensor([P + i], device=device), key_valid=key_valid,
+                                hidden_layers=wanted)
+        if wanted:
+            rows.append(target_rows(target, hidden, logits))
+    if not wanted:
+        return out
+    joined = {name: torch.cat([r[name] for r in rows], 1) for name in rows[0]}  # (B, P + steps, ...)
+    captured = []
+    for b, ids in enumerate(prompts_ids):
+        n = len(ids) + len(out[b]) - 1  # the last token was never read by the target
+        seq = {name: x[b, P - len(ids):P - len(ids) + n] for name, x in joined.items()}
+        # one zero row for the last token keeps rows and tokens aligned
+        captured.append({name: torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for name, x in seq.items()})
+    return out, captured
 
 
 MIN_PROMPT_CHARS = 11  # shorter self-written "prompts" are fragments (a greeting, a lone word)
@@ -369,9 +437,8 @@ def draft_vocabulary(data, vocab_size: int, size: int):
     return top - torch.arange(size), t2d
 
 
-def batches(data, batch_size: int, seq_len: int, rng: random.Random, cache=None):
-    """Endless random batches (tokens (B, T), response mask (B, T)), right-padded to the longest;
-    with a feature cache, also the cached features and final states (B, T, ...)."""
+def batches(data, batch_size: int, seq_len: int, rng: random.Random):
+    """Endless random batches (tokens (B, T), response mask (B, T)), right-padded to the longest."""
     while True:
         picks = [rng.randrange(len(data)) for _ in range(batch_size)]
         T = min(seq_len, max(len(data[i][0]) for i in picks))
@@ -382,45 +449,160 @@ def batches(data, batch_size: int, seq_len: int, rng: random.Random, cache=None)
             ids = ids[:T]
             tokens[b, :len(ids)] = torch.tensor(ids)
             mask[b, start:len(ids)] = 1
-        if cache is None:
-            yield tokens, mask
-            continue
-        stacked = []
-        for part in range(2):  # features, final states
-            x = torch.zeros(batch_size, T, cache[0][part].shape[-1], dtype=cache[0][part].dtype)
-            for b, i in enumerate(picks):
-                rows = cache[i][part][:T]
-                x[b, :len(rows)] = rows
-            stacked.append(x)
-        yield tokens, mask, *stacked
+        yield tokens, mask
 
 
-@torch.no_grad()
-def feature_cache(target, data, target_layers, args) -> list:
-    """Opt-in offline cache for small targets: the fused features and final states of every
-    training sequence, computed once (bf16) and reused by every epoch and run."""
-    layers = tuple(target_layers) + (target.args.n_layer,)
-    key = hashlib.sha1(json.dumps([args.target, layers, args.seq_len, len(data),
-                                   sum(len(ids) for ids, *_ in data),
-                                   data[0][0][:16]]).encode()).hexdigest()[:12]
-    path = Path(args.cache_dir) / f"features-{key}.pt"
-    if path.is_file():
-        return torch.load(path)
-    device = target.embed_tokens.weight.device
-    out = []
-    for start in tqdm(range(0, len(data), args.batch_size), desc="target features", file=sys.stderr):
-        chunk = [ids[:args.seq_len] for ids, *_ in data[start:start + args.batch_size]]
-        T = max(len(ids) for ids in chunk)
-        tokens = torch.zeros(len(chunk), T, dtype=torch.long, device=device)
-        for b, ids in enumerate(chunk):
-            tokens[b, :len(ids)] = torch.tensor(ids)
-        _, hidden = target(tokens, torch.arange(T, device=device), hidden_layers=layers)
-        features, final = torch.cat(hidden[:-1], -1), hidden[-1]
-        out += [(features[b, :len(ids)].to("cpu", torch.bfloat16),
-                 final[b, :len(ids)].to("cpu", torch.bfloat16))
-                for b, ids in enumerate(chunk)]
-    save_atomically(out, path)
-    return out
+# -----------------------------------------------------------------------------
+# The corpus: responses with everything training needs from the target, captured once
+#
+# While the target writes a response it already computes, for every token it reads, the hidden
+# states the drafts take as features and the distribution of the next token. Keeping them makes
+# every later training step target-free: no target forward and no full-vocabulary softmax, for
+# every objective, seed and epoch. Per token (n of them, sequences back to back):
+#
+#   tokens (n,) int32          prompt then response, as generated
+#   features (n, L*dim) fp16   hidden[l] for each l in layers (model.py's convention): the union of
+#                              what EAGLE-3 and DFlash drafts read, so one corpus serves both
+#   final (n, dim) fp16        the final-normed last state: the target's logits are lm_head(final)
+#   lse (n,) fp32              logsumexp of those logits, so log-probs on a draft vocabulary are
+#                              lm_head rows . final - lse, one small matmul
+#   argmax (n,) int32          the target's top token (all greedy verification can keep)
+#
+# The last token of a sequence was never read by the target: its rows are zeros and no loss uses them.
+# About (L+1)*dim*2 + 12 bytes a token: 5.8 KB for the default target (4 layers of 576).
+
+def target_rows(target, hidden, logits=None) -> dict:
+    """The corpus rows of one target forward: hidden from hidden_layers=layers + (n_layer,)."""
+    final = target.norm(hidden[-1])  # (B, t, dim)
+    if logits is None:  # a prefill asked only for the last logits: the full ones, a sequence at a time
+        logits = torch.stack([target.lm_head(f) for f in final])  # (B, t, V)
+    logits = logits.float()
+    if any(h.abs().max() > 6e4 for h in hidden[:-1]):  # fp16 ends at 65504
+        raise ValueError("this target's hidden states overflow fp16: train it with --features on-the-fly")
+    return {"features": torch.cat(hidden[:-1], -1).to("cpu", torch.float16),
+            "final": final.to("cpu", torch.float16),
+            "lse": torch.logsumexp(logits, -1).cpu(),
+            "argmax": logits.argmax(-1).to("cpu", torch.int32)}
+
+
+def corpus_layers(n_layer: int) -> tuple:
+    """Every hidden state an EAGLE-3 draft or a small target's default (2-layer) DFlash draft reads."""
+    return tuple(sorted(set(eagle3_target_layers(n_layer)) | set(dflash_target_layers(n_layer, 2))))
+
+
+def corpus_prompts(target, tokenizer, args) -> list:
+    """The training prompts (files, then self-written), shuffled once: the corpus's order."""
+    files = [p for p in args.data.split(",") if p and p != "self"]
+    prompts = read_prompt_files(files, args.num_prompts) if files else []
+    if "self" in args.data.split(",") and args.self_prompts:
+        prompts += magpie_prompts(target, tokenizer, args.self_prompts, args.gen_batch)
+    random.Random(1).shuffle(prompts)
+    return prompts
+
+
+def corpus_dir(args) -> Path:
+    files = [p for p in args.data.split(",") if p and p != "self"]
+    n_self = args.self_prompts if "self" in args.data.split(",") else 0
+    key_src = ",".join(hashlib.sha1(repo_path(p).read_bytes()).hexdigest()[:12] for p in files)
+    key = hashlib.sha1(f"corpus-v1|{args.target}|{key_src}|{args.num_prompts}|{n_self}|{args.response_tokens}|"
+                       f"{args.max_prompt_tokens}|{args.gen_batch}|{args.eval_prompts}".encode()).hexdigest()[:12]
+    return Path(args.cache_dir) / f"corpus-{key}"
+
+
+def build_corpus(target, tokenizer, args) -> Path:
+    """Generate (greedy) and capture the corpus in shards of one generation batch each. A shard is
+    written whole or not at all, so an interrupted build continues where it stopped."""
+    folder = corpus_dir(args)
+    folder.mkdir(parents=True, exist_ok=True)
+    layers = corpus_layers(target.args.n_layer)
+    prompts_file = folder / "prompts.json"
+    if prompts_file.is_file():
+        prompts = json.loads(prompts_file.read_text())
+    else:
+        prompts = corpus_prompts(target, tokenizer, args)
+        write_atomically(prompts_file, json.dumps(prompts))
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])[-args.max_prompt_tokens:]
+               for p in prompts]
+    # held-out prompts first, each alone (left padding changes a response only by float noise,
+    # but they are the evaluation); the rest by length, so a batch pads little
+    order = list(range(args.eval_prompts))
+    order += sorted(range(args.eval_prompts, len(encoded)), key=lambda i: len(encoded[i]))
+    groups = [order[i:i + args.gen_batch] for i in range(args.eval_prompts, len(order), args.gen_batch)]
+    groups = [[i] for i in order[:args.eval_prompts]] + groups
+    todo = [(n, g) for n, g in enumerate(groups) if not (folder / f"shard-{n:05d}.pt").is_file()]
+    if todo:
+        print(f"corpus: {len(prompts)} prompts, {len(todo)} of {len(groups)} generation batches to do, "
+              f"into {folder}", file=sys.stderr)
+    for n, group in tqdm(todo, desc="target responses + features", file=sys.stderr, disable=not todo):
+        responses, captured = batch_generate(target, [encoded[i] for i in group], args.response_tokens,
+                                             tokenizer.stop_ids, capture_layers=layers)
+        shard = {name: torch.cat([c[name] for c in captured]) for name in captured[0]}
+        shard["tokens"] = torch.tensor([t for i, r in zip(group, responses) for t in encoded[i] + r],
+                                       dtype=torch.int32)
+        shard["lengths"] = torch.tensor([len(encoded[i]) + len(r) for i, r in zip(group, responses)])
+        shard["starts"] = torch.tensor([len(encoded[i]) for i in group])
+        shard["prompt_index"] = torch.tensor(group)
+        shard["layers"] = torch.tensor(layers)
+        save_atomically(shard, folder / f"shard-{n:05d}.pt")
+    return folder
+
+
+class Corpus:
+    """The shards of a corpus folder as flat tensors; sequence i is rows offsets[i]:offsets[i+1]."""
+
+    def __init__(self, folder: Path):
+        shards = [torch.load(f, weights_only=True, mmap=True) for f in sorted(folder.glob("shard-*.pt"))]
+        if not shards:
+            raise ValueError(f"{folder} holds no corpus shards")
+        self.layers = tuple(shards[0]["layers"].tolist())
+        for name in ("tokens", "features", "final", "lse", "argmax", "lengths", "starts", "prompt_index"):
+            setattr(self, name, torch.cat([s[name] for s in shards]))
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), self.lengths.cumsum(0)])
+        texts = json.loads((folder / "prompts.json").read_text())
+        self.texts = [texts[i] for i in self.prompt_index.tolist()]
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def sequence(self, i: int) -> tuple:
+        """(ids, response start, prompt text): the layout build_dataset gives."""
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        return self.tokens[lo:hi].tolist(), int(self.starts[i]), self.texts[i]
+
+    def response_tokens(self) -> int:
+        return int((self.lengths - self.starts).sum())
+
+
+def corpus_batches(corpus: Corpus, indices: list, tokens_per_batch: int, seq_len: int, rng: random.Random):
+    """Endless batches of whole sequences of similar length (little padding), at most
+    tokens_per_batch padded tokens each, in a new random order every epoch. Yields tokens (B, T),
+    response mask (B, T), and the target's rows: features (B, T, L*dim), final (B, T, dim),
+    lse (B, T), argmax (B, T)."""
+    by_length = sorted(indices, key=lambda i: int(corpus.lengths[i]))
+    while True:
+        groups, group = [], []
+        for i in by_length:
+            T = min(seq_len, int(corpus.lengths[i]))  # the longest so far: sorted
+            if group and (len(group) + 1) * T > tokens_per_batch:
+                groups.append(group)
+                group = []
+            group.append(i)
+        groups.append(group)
+        rng.shuffle(groups)
+        for group in groups:
+            T = min(seq_len, max(int(corpus.lengths[i]) for i in group))
+            B = len(group)
+            out = {"tokens": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T),
+                   "features": torch.zeros(B, T, corpus.features.shape[1], dtype=torch.float16),
+                   "final": torch.zeros(B, T, corpus.final.shape[1], dtype=torch.float16),
+                   "lse": torch.zeros(B, T), "argmax": torch.zeros(B, T, dtype=torch.long)}
+            for b, i in enumerate(group):
+                lo = int(corpus.offsets[i])
+                n = min(T, int(corpus.lengths[i]))
+                for name in ("tokens", "features", "final", "lse", "argmax"):
+                    out[name][b, :n] = getattr(corpus, name)[lo:lo + n]
+                out["mask"][b, int(corpus.starts[i]):n] = 1
+            yield out["tokens"], out["mask"], out["features"], out["final"], out["lse"], out["argmax"]
 
 
 # -----------------------------------------------------------------------------
@@ -450,8 +632,8 @@ def evaluate_tau(net, target, tokenizer, prompts, args) -> float:
 # The run
 
 # defaults that depend on the machine: the GPU recipe, and a CPU one that ends in about an hour
-GPU_DEFAULTS = dict(steps=2000, batch_size=8, seq_len=384, draft_vocab=8192, eval_every=250, save_every=100)
-CPU_DEFAULTS = dict(steps=150, batch_size=4, seq_len=320, draft_vocab=4096, eval_every=50, save_every=25)
+GPU_DEFAULTS = dict(features="on-the-fly", steps=2000, batch_size=8, seq_len=384, draft_vocab=8192, eval_every=250, save_every=100)
+CPU_DEFAULTS = dict(features="captured", steps=150, batch_size=4, seq_len=320, draft_vocab=4096, eval_every=50, save_every=25)
 QUICK = dict(steps=2, batch_size=2, seq_len=128, draft_vocab=1024, eval_every=2, save_every=1, num_prompts=12,
              self_prompts=0, response_tokens=24, gen_batch=12, eval_prompts=2)
 VAT_PARTS = ("head", "weighting", "ce")
@@ -509,9 +691,10 @@ def get_args(argv=None):
                     help="continue from the last complete checkpoint in --out")
     ap.add_argument("--cache-dir", default=str(M.cache_dir() / "train"),
                     help="where regenerated responses are cached")
-    ap.add_argument("--cache-features", action="store_true",
-                    help="small targets: compute the target's features once and keep them on disk (bf16, "
-                         "~(n_layers+1)*dim*2 bytes a token) instead of a target forward every step")
+    ap.add_argument("--features", default=None, choices=("captured", "on-the-fly"),
+                    help="captured: keep the target's features and log-probs from response generation on "
+                         "disk (fp16, ~(layers+1)*dim*2 bytes a token; training never runs the target); "
+                         "on-the-fly: a target forward every step (for large targets)")
     ap.add_argument("--prepare-only", action="store_true", help="build (and cache) the data, then stop")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 12 prompts, 2 steps (a few minutes on a CPU)")
@@ -671,9 +854,11 @@ def main(argv=None):
 
     # data: prompts, the target's own responses, a few held out for the real-tau check
     target, tokenizer = load_frozen_target(args, device)
-    data = build_dataset(target, tokenizer, args)
+    corpus = Corpus(build_corpus(target, tokenizer, args)) if args.features == "captured" else None
+    data = [corpus.sequence(i) for i in range(len(corpus))] if corpus else build_dataset(target, tokenizer, args)
     if args.prepare_only:
-        print(json.dumps({"sequences": len(data), "tokens": sum(len(ids) for ids, *_ in data)}))
+        print(json.dumps({"sequences": len(data), "tokens": sum(len(ids) for ids, *_ in data),
+                          "response_tokens": sum(len(ids) - start for ids, start, _ in data)}))
         return
     if args.eval_prompts >= len(data):
         raise ValueError(f"--eval-prompts {args.eval_prompts} leaves nothing to train on: the data holds "
@@ -690,8 +875,11 @@ def main(argv=None):
     if world > 1:  # gradients of the draft are averaged across processes; the target is never all-reduced
         model = torch.nn.parallel.DistributedDataParallel(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
-    cache = feature_cache(target, data, net.target_layers, args) if args.cache_features else None
-    stream = batches(data, args.batch_size, args.seq_len, rng, cache)
+    if corpus:  # whole sequences of similar length, as many as fit batch_size * seq_len padded tokens
+        stream = corpus_batches(corpus, range(args.eval_prompts, len(corpus)), args.batch_size * args.seq_len,
+                                args.seq_len, rng)
+    else:
+        stream = batches(data, args.batch_size, args.seq_len, rng)
 
     # the loop, with the periodic real-tau check and checkpoints
     t0 = time.time()

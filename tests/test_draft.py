@@ -9,7 +9,7 @@ import model as M
 import train_vat as TV
 from decode import generate
 from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers,
-                   eagle3_target_layers, load_draft, save_draft, ttt_mask)
+                   eagle3_target_layers, load_draft, save_draft)
 from verify import Verifier
 
 
@@ -52,16 +52,6 @@ def features(target, tokens, layers):
     with torch.no_grad():
         _, hidden = target(tokens, torch.arange(tokens.shape[1]), hidden_layers=layers)
     return torch.cat(hidden, -1)
-
-
-def test_ttt_mask_sees_prefix_and_own_chain():
-    T, s = 5, 2
-    m = ttt_mask(T, s)
-    assert m.shape == (T, 3 * T)
-    for t in range(T):
-        assert m[t, :T].tolist() == [j <= t for j in range(T)]  # the real prefix up to t
-        for step in (1, 2):  # of each later step, only the same chain
-            assert m[t, step * T:(step + 1) * T].tolist() == [j == t for j in range(T)]
 
 
 def test_dflash_mask_context_before_anchor_and_own_block():

@@ -367,21 +367,29 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
               "--response-tokens", "12", "--gen-batch", "4", "--batch-size", "2", "--seq-len", "32",
               "--eval-prompts", "2", "--eval-every", "2", "--save-every", "2", "--block-size", "4",
               "--ttt-steps", "3", "--draft-vocab", "200", "--warmup", "0", "--out", str(tmp_path / "run"),
-              "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"] + (["--cache-features"] if kind == "dflash" else [])
+              "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"] + (["--features", "on-the-fly"] if kind == "dflash" else [])
     TV.main(common + ["--steps", "2"])
-    cache = list((tmp_path / "cache").glob("responses-*.pt"))
-    assert len(cache) == 1
+    # eagle3 trains from the captured corpus (the CPU default), dflash with target forwards
+    cache = list((tmp_path / "cache").glob("corpus-*/shard-*.pt" if kind == "eagle3" else "responses-*.pt"))
+    assert len(cache) == (2 + 2 if kind == "eagle3" else 1)  # held-out prompts alone, then batches of 4
+    if kind == "eagle3":
+        corpus = TV.Corpus(cache[0].parent)
+        data = [corpus.sequence(i) for i in range(len(corpus))]
+    else:
+        data = torch.load(cache[0])
     # each sequence keeps its prompt's text, so held-out prompts are evaluated as written
     target_tok = load_tokenizer(tmp_path / "target")
     written = {f"question {i} about numbers" for i in range(10)}
-    for ids, start, text in torch.load(cache[0]):
+    assert len(data) == 10
+    for ids, start, text in data:
         assert text in written and ids[:start] == target_tok.encode_chat([{"role": "user", "content": text}])
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [s["step"] for s in log] == [1, 2] and "real_tau" in log[-1]
     TV.main(common + ["--steps", "4", "--resume"])  # continues at step 3, reusing the cached data
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [s["step"] for s in log] == [1, 2, 3, 4]
-    assert list((tmp_path / "cache").glob("responses-*.pt")) == cache
+    assert sorted((tmp_path / "cache").glob("corpus-*/shard-*.pt" if kind == "eagle3" else "responses-*.pt")) \
+        == sorted(cache)
     found, net = load_draft(tmp_path / "run" / "checkpoint", M.load_model(tmp_path / "target"))
     assert found == kind and json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())["vat"]["step"] == 4
 
@@ -410,26 +418,215 @@ def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, 
         assert torch.allclose(grads[1][name], g, rtol=1e-3, atol=1e-5), name
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
-def test_offline_feature_cache_gives_the_on_the_fly_loss(tiny_dir, tmp_path, kind):
-    import random
+# -----------------------------------------------------------------------------
+# Fast training: chains that carry loss only, and the captured corpus
+
+def ttt_mask(T: int, step: int) -> torch.Tensor:
+    """EAGLE-3's training-time-test attention for every base at once, (T, (step+1)*T): the real
+    prefix (step-0 keys at positions <= t) and, of steps 1..step, only the own chain's key."""
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return torch.cat([causal] + [torch.eye(T, dtype=torch.bool)] * step, dim=1)
+
+
+def dense_eagle3_loss(net, target, tokens, response, args):
+    """The reference: EAGLE-3's training-time test unrolled over every base position of the
+    padded batch with SDPA and ttt_mask (train_vat's code before it trained only the chains that
+    carry loss). Its loss is a mean over all B*T chains."""
+    B, T = tokens.shape
+    K, layer = args.ttt_steps, net.midlayer
+    with torch.no_grad():
+        target_logits, hidden = target(tokens, torch.arange(T), hidden_layers=net.target_layers)
+    features = torch.cat(hidden, -1)
+    cos, sin = M.rope_table(net.args, T + K)
+    padded = torch.cat([tokens, tokens.new_zeros(B, K + 1)], 1)
+    state, keys, values, logits, heads = net.fc(features), [], [], [], []
+    for s in range(K):
+        q, k, v = layer.qkv(target.embed_tokens(padded[:, 1 + s:1 + s + T]), state, cos[s:s + T], sin[s:s + T])
+        keys.append(k)
+        values.append(v)
+        attended = layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(T, s))
+        state = layer.finish(state, attended)
+        step_logits, step_heads = net.heads(state)
+        logits.append(step_logits)
+        heads.append(step_heads)
+    logits, heads = torch.stack(logits, 1), torch.stack(heads, 1)  # (B, K, T, Vd), (B, K, T)
+    base, step = torch.arange(T), torch.arange(K)
+    source = base[None, :] + 1 + step[:, None]  # (K, T)
+    valid = (source + 1 < T)[None] & response.bool()[:, (source + 1).clamp(max=T - 1)]
+    source = source.clamp(max=T - 1)
+    in_vocab = net.t2d[target_logits.argmax(-1)][:, source]
+    target_logp = F.log_softmax(target_logits.float(), -1)[..., net.draft_to_target()][:, source]
+
+    def chains(x):
+        return x.transpose(1, 2).flatten(0, 1)
+    return TV.objective(chains(logits), chains(heads), chains(target_logp), chains(valid), args, native="soft",
+                        target_in_vocab=chains(in_vocab))
+
+
+def test_ttt_mask_sees_prefix_and_own_chain():
+    T, s = 5, 2
+    m = ttt_mask(T, s)
+    assert m.shape == (T, 3 * T)
+    for t in range(T):
+        assert m[t, :T].tolist() == [j <= t for j in range(T)]  # the real prefix up to t
+        for step in (1, 2):  # of each later step, only the same chain
+            assert m[t, step * T:(step + 1) * T].tolist() == [j == t for j in range(T)]
+
+
+def prompt_response_batch(vocab, lengths, starts, seed=0):
+    """A right-padded batch: random tokens, the response from starts[b] to lengths[b]."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    tokens = torch.zeros(len(lengths), T, dtype=torch.long)
+    mask = torch.zeros(len(lengths), T)
+    for b, (n, start) in enumerate(zip(lengths, starts)):
+        tokens[b, :n] = torch.randint(0, vocab, (n,), generator=g)
+        mask[b, start:n] = 1
+    return tokens, mask
+
+
+@pytest.mark.parametrize("parts", [("weighting", "ce"), ("head", "weighting", "ce")])
+def test_chain_training_equals_the_dense_reference(tiny_dir, parts):
+    """Training only the chains that carry loss gives the dense reference's loss terms and
+    gradients (up to its normalization: a mean over all B*T chains, padding and prompt included)."""
     target = M.load_model(tiny_dir("qwen3_untied"))
     target.setup_caches(3, 40)
-    net = eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=4)
-    args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0,
-                              ttt_steps=3, blocks_per_seq=2, target="tiny", seq_len=32, batch_size=3,
-                              cache_dir=str(tmp_path))
-    torch.manual_seed(0)
-    data = [(torch.randint(0, 96, (n,)).tolist(), 4, "prompt") for n in (20, 28, 36, 12, 25)]
-    cache = TV.feature_cache(target, data, net.target_layers, args)
-    assert len(list(tmp_path.glob("features-*.pt"))) == 1
-    assert TV.feature_cache(target, data, net.target_layers, args)[0][0].dtype == torch.bfloat16
-    tokens, mask, feats, final = next(TV.batches(data, 3, 32, random.Random(0), cache))
+    net = eagle3_net(target).train()
+    args = argparse.Namespace(draft="eagle3", objective="vat", vat_label="greedy", vat_parts=parts, beta=1.0,
+                              ttt_steps=4)
+    tokens, mask = prompt_response_batch(96, [30, 17, 24], [9, 5, 14])
+    B, T = tokens.shape
+    dense, dense_stats = dense_eagle3_loss(net, target, tokens, mask, args)
+    dense_grads = torch.autograd.grad(dense, list(net.parameters()), allow_unused=True)
+    fast, fast_stats = TV.eagle3_loss(net, target, (tokens, mask), args)
+    fast_grads = torch.autograd.grad(fast, list(net.parameters()), allow_unused=True)
+    # the chains kept: every base t whose predictions t+2 .. t+K+1 reach a response token
+    kept = sum((n - 3) - max(start - 1 - args.ttt_steps, 0) + 1 for n, start in zip([30, 17, 24], [9, 5, 14]))
+    head = fast_stats["head_loss"]
+    assert head == pytest.approx(dense_stats["head_loss"], rel=1e-5)
+    assert (fast.item() - head) * kept == pytest.approx((dense.item() - head) * B * T, rel=1e-5)
+    for key in ("sim_tau", "head_acc", "kept_share"):
+        assert fast_stats[key] == pytest.approx(dense_stats[key], rel=1e-6), key
+    if "head" not in parts:  # the same objective up to the constant factor kept / (B*T)
+        for (name, _), g_dense, g_fast in zip(net.named_parameters(), dense_grads, fast_grads):
+            if g_dense is None:
+                assert g_fast is None or not g_fast.any(), name
+                continue
+            scaled_fast, scaled_dense = g_fast * kept, g_dense * B * T
+            assert (scaled_fast - scaled_dense).abs().max() <= 1e-5 * scaled_dense.abs().max(), name
+
+
+def corpus_args(tmp_path, **over):
+    args = dict(target="tiny", data="prompts", num_prompts=0, self_prompts=0, response_tokens=12,
+                max_prompt_tokens=32, gen_batch=4, eval_prompts=2, cache_dir=str(tmp_path / "cache"))
+    args.update(over)
+    return argparse.Namespace(**args)
+
+
+def test_captured_rows_equal_a_full_forward(tmp_path):
+    """What generation captures for each token is what a full forward over the finished
+    sequence computes: the layers' states, the final-normed state, logsumexp and argmax."""
+    tiny_chat_target(tmp_path / "target")
+    target = M.load_model(tmp_path / "target")
+    target.setup_caches(3, 64)
+    layers = TV.corpus_layers(target.args.n_layer)
+    prompts = [[1, 5, 9, 40, 41], [2, 7], [3, 60, 61, 62, 70, 80, 90]]  # left padding differs per row
+    responses, captured = TV.batch_generate(target, prompts, 10, stop_ids={0}, capture_layers=layers)
+    target.setup_caches(1, 64)
+    for ids, response, rows in zip(prompts, responses, captured):
+        seq = ids + response
+        n = len(seq)
+        assert all(len(x) == n for x in rows.values())
+        logits, hidden = target(torch.tensor([seq]), torch.arange(n), hidden_layers=layers + (target.args.n_layer,))
+        features = torch.cat(hidden[:-1], -1)[0, :n - 1]
+        assert torch.allclose(rows["features"][:n - 1].float(), features, rtol=2e-3, atol=2e-3)
+        final = target.norm(hidden[-1])[0, :n - 1]
+        assert torch.allclose(rows["final"][:n - 1].float(), final, rtol=2e-3, atol=2e-3)
+        assert torch.allclose(rows["lse"][:n - 1], torch.logsumexp(logits[0, :n - 1], -1), atol=1e-4)
+        assert rows["argmax"][:n - 1].tolist() == logits[0, :n - 1].argmax(-1).tolist()
+        # greedy generation: the argmax at each position from the prompt's last on is the next token
+        assert rows["argmax"][len(ids) - 1:n - 1].tolist() == response
+        assert not rows["features"][n - 1].any()  # the last token was never read
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_training_from_the_corpus_equals_training_on_the_fly(tmp_path, kind):
+    """A batch of the captured corpus gives the loss a target forward on its tokens gives."""
+    import random
+    tiny_chat_target(tmp_path / "target")
+    target = M.load_model(tmp_path / "target")
+    target.setup_caches(4, 64)
+    tokenizer = load_tokenizer(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers " * (1 + i % 3)}) + "\n"
+                               for i in range(10)))
+    args = corpus_args(tmp_path, data=str(prompts))
+    corpus = TV.Corpus(TV.build_corpus(target, tokenizer, args))
+    assert len(corpus) == 10 and corpus.layers == TV.corpus_layers(target.args.n_layer)
+    net = eagle3_net(target, draft_vocab=97) if kind == "eagle3" else dflash_net(target, block=4)
+    targs = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0,
+                               ttt_steps=3, blocks_per_seq=2)
+    batch = next(TV.corpus_batches(corpus, range(2, 10), 200, 64, random.Random(0)))
+    target.setup_caches(len(batch[0]), batch[0].shape[1])
     torch.manual_seed(1)
-    fly, _ = TV.DraftLoss(net, target, args)(tokens, mask)
+    fly, fly_stats = TV.DraftLoss(net, target, targs)(batch[0], batch[1])
     torch.manual_seed(1)
-    cached, _ = TV.DraftLoss(net, target, args)(tokens, mask, feats, final)
-    assert cached.item() == pytest.approx(fly.item(), rel=2e-2)
+    captured, stats = TV.DraftLoss(net, target, targs)(*batch)
+    assert captured.item() == pytest.approx(fly.item(), rel=2e-3)
+    assert stats["sim_tau"] == pytest.approx(fly_stats["sim_tau"], rel=1e-3)
+
+
+def test_corpus_batches_cover_every_sequence_once_an_epoch_with_little_padding(tmp_path):
+    import random
+
+    class Fake:  # a corpus's layout without the target
+        lengths = torch.tensor([5, 40, 7, 33, 12, 12, 90, 3, 61, 20])
+        starts = lengths // 3
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        tokens = torch.arange(int(lengths.sum()))
+        features = torch.zeros(int(lengths.sum()), 4, dtype=torch.float16)
+        final = torch.zeros(int(lengths.sum()), 2, dtype=torch.float16)
+        lse = torch.zeros(int(lengths.sum()))
+        argmax = torch.zeros(int(lengths.sum()), dtype=torch.int32)
+    stream = TV.corpus_batches(Fake, range(1, 10), 100, 64, random.Random(0))
+    seen, padded, real = [], 0, 0
+    while len(seen) < 9:
+        tokens, mask, *_ = next(stream)
+        assert tokens.numel() <= 100 or len(tokens) == 1
+        for row, m in zip(tokens, mask):
+            i = int((Fake.offsets[:-1] == row[0]).nonzero())  # a sequence starts with its offset
+            seen.append(i)
+            n = min(64, int(Fake.lengths[i]))
+            assert row[:n].tolist() == list(range(int(Fake.offsets[i]), int(Fake.offsets[i]) + n))
+            assert m.nonzero()[:, 0].tolist() == list(range(int(Fake.starts[i]), n))
+            real += n
+        padded += tokens.numel()
+    assert sorted(seen) == list(range(1, 10))  # each once, the held-out 0 never
+    # sorted by length, a batch pads to a neighbour's length: [3 7 12 12 20] [33 40] [61] [64],
+    # 252 real tokens in 305
+    assert (padded, real) == (305, 252)
+
+
+def test_an_interrupted_corpus_build_continues_where_it_stopped(tmp_path):
+    tiny_chat_target(tmp_path / "target")
+    target = M.load_model(tmp_path / "target")
+    target.setup_caches(4, 64)
+    tokenizer = load_tokenizer(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"question {i}"}) + "\n" for i in range(9)))
+    args = corpus_args(tmp_path, data=str(prompts))
+    folder = TV.build_corpus(target, tokenizer, args)
+    shards = sorted(folder.glob("shard-*.pt"))
+    assert len(shards) == 2 + 2  # two held-out prompts alone, then 7 prompts in batches of 4
+    whole = TV.Corpus(folder)
+    stamps = {f.name: f.stat().st_mtime_ns for f in shards}
+    shards[-1].unlink()  # as if killed while writing the last one (a shard is written whole or not at all)
+    TV.build_corpus(target, tokenizer, args)
+    again = TV.Corpus(folder)
+    assert [f.stat().st_mtime_ns for f in shards[:-1]] == [stamps[f.name] for f in shards[:-1]]
+    assert again.tokens.tolist() == whole.tokens.tolist()
+    assert torch.equal(again.features, whole.features)
+    assert [again.sequence(i) for i in range(len(again))] == [whole.sequence(i) for i in range(len(whole))]
 
 
 @pytest.mark.slow
