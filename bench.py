@@ -262,6 +262,9 @@ def summarize(records: dict, temperatures: dict) -> dict:
         base = records[f"baseline T={temperatures[name]:g}"]
         lo, med, hi = quartiles([r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base)])
         tps = quartiles([r["tokens_per_s"] for r in rs])
+        ratios = {}
+        for r, b in zip(rs, base):
+            ratios.setdefault(r["category"], []).append(r["tokens_per_s"] / b["tokens_per_s"])
         ours = [r for r in rs if r["target_forwards"]]  # the peers count no forwards
         per_category = {}
         for r in ours:
@@ -275,6 +278,7 @@ def summarize(records: dict, temperatures: dict) -> dict:
             "tau": (sum(r["new_tokens"] for r in ours) / sum(r["target_forwards"] for r in ours)) if ours
             else None,
             "tau_per_category": {c: n / f for c, (n, f) in per_category.items()},
+            "speedup_median_per_category": {c: statistics.median(v) for c, v in ratios.items()},
             "acceptance_per_position": [statistics.mean(r["accepted_per_position"][i] for r in rs
                                                         if len(r["accepted_per_position"]) > i)
                                         for i in range(k)],
@@ -286,6 +290,39 @@ def summarize(records: dict, temperatures: dict) -> dict:
             "target_forwards": sum(r["target_forwards"] or 0 for r in rs),
         }
     return summary
+
+
+def paired_ratio(a: list, b: list, resamples: int = 10000, seed: int = 0) -> dict:
+    """Two runs on the same prompts: the ratio of their overall tau (new tokens over target
+    forwards, each summed over prompts) and of their tokens/s (summed over prompts), with 95%
+    percentile bootstrap intervals that resample prompts, both runs' results together (paired)."""
+    def per_prompt(runs, key):
+        return torch.tensor([float(r[key]) for r in runs], dtype=torch.double)  # (n,)
+
+    def overall_tau(runs, rows):
+        return per_prompt(runs, "new_tokens")[rows].sum(-1) / per_prompt(runs, "target_forwards")[rows].sum(-1)
+
+    def overall_speed(runs, rows):
+        return per_prompt(runs, "tokens_per_s")[rows].sum(-1)
+
+    n = len(a)
+    every = torch.arange(n)
+    drawn = torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))  # (resamples, n)
+    out = {"prompts": n}
+    for name, measure in (("tau", overall_tau), ("tokens_per_s", overall_speed)):
+        boot = measure(a, drawn) / measure(b, drawn)  # (resamples,)
+        lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.double)).tolist()
+        out[name] = {"ratio": (measure(a, every) / measure(b, every)).item(), "ci95": [lo, hi]}
+    return out
+
+
+def paired_runs(args, records: dict, temperatures: dict) -> dict:
+    """--paired A,B: A's runs against B's, verifier by verifier and temperature by temperature."""
+    if not args.paired:
+        return {}
+    a, b = (draft_label(d) for d in args.paired)
+    return {f"{name} vs {b}": paired_ratio(records[name], records[name.replace(a, b, 1)])
+            for name in records if name.startswith(a + " ")}
 
 
 def quality_runs(args, target, tokenizer, generator):
@@ -538,6 +575,9 @@ def get_args(argv=None):
                     help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
                          "lossless (the same rule there) is left out if greedy is in")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
+    ap.add_argument("--paired", default=None, metavar="A,B",
+                    help="two of --drafts: their tau and speed ratio, A over B, with 95%% paired bootstrap "
+                         "intervals over the prompts (e.g. a VAT draft against its baseline-objective twin)")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=7, help="tokens drafted per target forward")
     ap.add_argument("--prompt-file", default="data/spec_bench_questions.jsonl",
                     help="Spec-Bench-style jsonl (or any supported jsonl)")
@@ -597,6 +637,9 @@ def check_and_complete(ap, args):
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.verifiers = args.verifiers.split(",")
     args.drafts = [d for d in args.drafts.split(",") if d]
+    args.paired = args.paired.split(",") if args.paired else None
+    if args.paired and (len(args.paired) != 2 or any(d not in args.drafts for d in args.paired)):
+        ap.error("--paired takes two of the --drafts, comma-separated")
     args.categories = args.categories.split(",") if args.categories else None
     args.quality = [t for t in args.quality.split(",") if t]
     if any(t not in ("gsm8k", "humaneval") for t in args.quality):
@@ -704,7 +747,7 @@ def main(argv=None):
     if args.device == "cpu":
         torch.set_num_threads(pick_threads(args.threads))
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    summary, records, quality = {}, {}, {}
+    summary, records, quality, paired = {}, {}, {}, {}
     if not args.speed_off or args.quality:
         weights = target_weights(args.dtype, args.device, args.compile)
         target, tokenizer = load_target(args.target, args.device, weights, 4096)
@@ -713,6 +756,7 @@ def main(argv=None):
         if not args.speed_off:
             records, temperatures = speed_runs(args, target, tokenizer, generator)
             summary = summarize(records, temperatures)
+            paired = paired_runs(args, records, temperatures)
         if args.quality:
             quality = quality_runs(args, target, tokenizer, generator)
         del target
@@ -722,6 +766,10 @@ def main(argv=None):
                                verify_k=sorted({3, 5, 7, args.num_draft_tokens})) if args.decode_table else []
     int8_check = int8_quality(args.target, args.int8_quality) if args.int8_quality else {}
     print_report(args, summary, quality, table)
+    for name, r in paired.items():
+        print(f"\n{name} on {r['prompts']} prompts: tau ratio {r['tau']['ratio']:.3f} (95% CI "
+              f"{r['tau']['ci95'][0]:.3f}-{r['tau']['ci95'][1]:.3f}), tokens/s ratio {r['tokens_per_s']['ratio']:.3f} "
+              f"({r['tokens_per_s']['ci95'][0]:.3f}-{r['tokens_per_s']['ci95'][1]:.3f})")
     if int8_check:
         print(f"\nint8 against fp32 on {int8_check['tokens']} tokens of held-out text: top-1 agreement "
               f"{int8_check['top1_agreement']:.3f}, perplexity {int8_check['perplexity_fp32']:.3f} -> "
@@ -741,7 +789,7 @@ def main(argv=None):
                    "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
                    "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                    "python": platform.python_version()},
-        "speed": summary, "quality": quality, "decode_table": table, "int8_quality": int8_check,
+        "speed": summary, "paired": paired, "quality": quality, "decode_table": table, "int8_quality": int8_check,
         "plots": [shown(p) for p in images],
         "runs": records,  # every run on every prompt, its tokens included
     }

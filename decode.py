@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import model as M
-from draft import DFlashDraft, Eagle3Draft, LookupDraft, ModelDraft, NoDraft, draft_kind, load_draft
+from draft import DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft, NoDraft, draft_kind, load_draft
 from tokenizer import load_tokenizer
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
 
@@ -287,10 +287,14 @@ DEFAULT_DRAFTS = {M.DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-vat"}
 def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: float = 1.0, generator=None,
                 early_exit=None, pack: bool = True):
     """--draft lookup | eagle3:PATH | dflash:PATH | a trained draft's directory (its config says
-    which) | NAME_OR_PATH of an independent model sharing the target's tokenizer. early_exit: a
-    threshold, 'auto' (the paper's), or None."""
+    which) | NAME_OR_PATH of an independent model sharing the target's tokenizer | lookup+ANY OF
+    THOSE (HybridDraft: lookup where it matches, the draft elsewhere). early_exit: a threshold,
+    'auto' (the paper's), or None."""
     if spec == "lookup":
         return LookupDraft()
+    if spec.startswith("lookup+"):
+        return HybridDraft(build_draft(spec[len("lookup+"):], target, tokenizer, temperature, top_p, generator,
+                                       early_exit, pack))
     kind, _, where = spec.partition(":") if spec.split(":")[0] in ("eagle3", "dflash") else ("", "", spec)
     path = M.resolve_model(where)
     if not kind and (path / "config.json").is_file():
@@ -330,8 +334,9 @@ def get_args(argv=None):
     ap.add_argument("--target", default=M.DEFAULT_TARGET,
                     help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
     ap.add_argument("--draft", default=None,
-                    help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, or "
-                         "a model name/directory sharing the target's tokenizer. Default: the fastest "
+                    help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, "
+                         "a model name/directory sharing the target's tokenizer, or lookup+ONE OF THOSE (a "
+                         "hybrid: prompt lookup where a 2-3 token match exists, the draft elsewhere). Default: the fastest "
                          "configuration measured on a 2-core CPU (README): prompt lookup at T = 0, plain "
                          "decoding at T > 0 (where lookup measured slower); with a lossy --verifier, the "
                          "committed EAGLE-3 draft for smollm2-135m (those verifiers mix the draft's "

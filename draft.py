@@ -252,6 +252,7 @@ class Eagle3Draft:
         fused = net.fc(self.pending_features.to(device, dtype))  # (n, dim)
         state = self.step(tokens_in, fused, self.cache_len)[-1:]  # (1, dim)
         self.cache_len += len(tokens_in)
+        self.pending_tokens, self.pending_features = [], None
         tokens, dists = [], []
         for j in range(k):
             logits, head_logit = net.heads(state[-1])
@@ -268,8 +269,11 @@ class Eagle3Draft:
         return torch.stack(tokens), torch.stack(dists)
 
     def commit(self, new_ids, n_accepted, features=None):
-        self.pending_tokens = list(new_ids)
-        self.pending_features = features  # (n_accepted + 1, 3 * target_dim)
+        # pairs wait here until the next propose feeds them; a step in which another draft proposed
+        # (HybridDraft) leaves them to be fed together with the next step's
+        self.pending_tokens += list(new_ids)
+        self.pending_features = features if self.pending_features is None else \
+            torch.cat([self.pending_features, features])  # (pairs not yet fed, 3 * target_dim)
 
 
 # -----------------------------------------------------------------------------
@@ -367,6 +371,7 @@ class DFlashDraft:
             new = slice(self.context_len, anchor_pos)
             cache.update(positions[:n_new], keys[:, :, new], values[:, :, new])
         self.context_len, self.forwards = anchor_pos, self.forwards + 1
+        self.pending = None
         x = net.norm(h[0, 1:k + 1])  # (k, dim): block position i predicts the token at anchor_pos + i
         probs = probs_from_logits(self.lm_head(x), self.temperature, self.top_p)  # (k, V)
         n = k
@@ -379,7 +384,47 @@ class DFlashDraft:
 
     def commit(self, new_ids, n_accepted, features=None):
         self.anchor = new_ids[-1]
-        self.pending = features  # (n_accepted + 1, n * target_dim), the positions after context_len
+        # the positions after context_len not yet fed (more than one commit's after a step in
+        # which another draft proposed: HybridDraft)
+        self.pending = features if self.pending is None else torch.cat([self.pending, features])
+
+
+# -----------------------------------------------------------------------------
+# Hybrid: prompt lookup where the context repeats, the model draft elsewhere
+
+class HybridDraft:
+    """Prompt lookup first, the model draft when lookup finds no match of at least two tokens.
+    A lookup costs no forward and is right where the answer copies its context (extraction,
+    rewriting, repeated phrases); the trained draft takes every other step. Both see every commit,
+    so either can propose at the next step."""
+
+    def __init__(self, model_draft, lookup: LookupDraft | None = None):
+        # single-token matches are mostly coincidence: they would crowd out the better guesser
+        self.lookup = lookup or LookupDraft(max_ngram=3, min_ngram=2)
+        self.model_draft = model_draft
+        self.target_layers = model_draft.target_layers
+        self.max_tokens = getattr(model_draft, "max_tokens", float("inf"))  # a DFlash block's limit
+        self.looked_up = self.steps = 0
+
+    @property
+    def forwards(self):
+        return self.model_draft.forwards
+
+    def start(self, prompt_ids, features=None):
+        self.lookup.start(prompt_ids)
+        self.model_draft.start(prompt_ids, features)
+
+    def propose(self, k: int):
+        self.steps += 1
+        tokens, q = self.lookup.propose(k)
+        if len(tokens):
+            self.looked_up += 1
+            return tokens, q
+        return self.model_draft.propose(k)
+
+    def commit(self, new_ids, n_accepted, features=None):
+        self.lookup.commit(new_ids, n_accepted)
+        self.model_draft.commit(new_ids, n_accepted, features)
 
 
 # -----------------------------------------------------------------------------

@@ -236,8 +236,8 @@ def captured_features(features, layers, target):
     """The draft's layers out of a corpus's features (B, T, L*dim), in the draft's order."""
     have = corpus_layers(target.args.n_layer)
     dim = target.args.dim
-    return torch.cat([features[..., have.index(l) * dim:(have.index(l) + 1) * dim] for l in layers], -1).to(
-        target.norm.weight.dtype)
+    features = features.to(target.norm.weight.dtype)
+    return torch.cat([features[..., have.index(i) * dim:(have.index(i) + 1) * dim] for i in layers], -1)
 
 
 def eagle3_target_side(net: Eagle3, target, batch):
@@ -573,21 +573,26 @@ class Corpus:
         return int((self.lengths - self.starts).sum())
 
 
+def length_groups(corpus: Corpus, indices, tokens_per_batch: int, seq_len: int) -> list:
+    """The batches of one epoch: sequences sorted by length, cut where the padded size
+    (sequences x the longest) would pass tokens_per_batch."""
+    groups, group = [], []
+    for i in sorted(indices, key=lambda i: int(corpus.lengths[i])):
+        T = min(seq_len, int(corpus.lengths[i]))  # the longest so far: sorted
+        if group and (len(group) + 1) * T > tokens_per_batch:
+            groups.append(group)
+            group = []
+        group.append(i)
+    return groups + [group]
+
+
 def corpus_batches(corpus: Corpus, indices: list, tokens_per_batch: int, seq_len: int, rng: random.Random):
     """Endless batches of whole sequences of similar length (little padding), at most
     tokens_per_batch padded tokens each, in a new random order every epoch. Yields tokens (B, T),
     response mask (B, T), and the target's rows: features (B, T, L*dim), final (B, T, dim),
     lse (B, T), argmax (B, T)."""
-    by_length = sorted(indices, key=lambda i: int(corpus.lengths[i]))
+    groups = length_groups(corpus, indices, tokens_per_batch, seq_len)
     while True:
-        groups, group = [], []
-        for i in by_length:
-            T = min(seq_len, int(corpus.lengths[i]))  # the longest so far: sorted
-            if group and (len(group) + 1) * T > tokens_per_batch:
-                groups.append(group)
-                group = []
-            group.append(i)
-        groups.append(group)
         rng.shuffle(groups)
         for group in groups:
             T = min(seq_len, max(int(corpus.lengths[i]) for i in group))
@@ -876,13 +881,16 @@ def main(argv=None):
         model = torch.nn.parallel.DistributedDataParallel(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
     if corpus:  # whole sequences of similar length, as many as fit batch_size * seq_len padded tokens
-        stream = corpus_batches(corpus, range(args.eval_prompts, len(corpus)), args.batch_size * args.seq_len,
-                                args.seq_len, rng)
+        train = range(args.eval_prompts, len(corpus))
+        epoch = len(length_groups(corpus, train, args.batch_size * args.seq_len, args.seq_len))
+        print(f"corpus: {len(train)} training sequences, {corpus.response_tokens()} response tokens; one epoch "
+              f"is {epoch} steps of up to {args.batch_size * args.seq_len} tokens", file=sys.stderr)
+        stream = corpus_batches(corpus, train, args.batch_size * args.seq_len, args.seq_len, rng)
     else:
         stream = batches(data, args.batch_size, args.seq_len, rng)
 
     # the loop, with the periodic real-tau check and checkpoints
-    t0 = time.time()
+    t0, trained_tokens = time.time(), 0
     bar = tqdm(total=args.steps, initial=step, desc=f"{args.draft} {args.objective}", file=sys.stderr,
                disable=not master)
     while step < args.steps:
@@ -890,13 +898,15 @@ def main(argv=None):
         for group in opt.param_groups:
             group["lr"] = lr
         with autocast:
-            loss, stats = model(*[x.to(device) for x in next(stream)])
+            batch = next(stream)
+            loss, stats = model(*[x.to(device) for x in batch])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), GRAD_CLIP)
         opt.step()
         step += 1
-        stats.update(step=step, lr=lr, seconds=time.time() - t0)
+        stats.update(step=step, lr=lr, seconds=time.time() - t0, response_tokens=int(batch[1].sum()))
+        trained_tokens += stats["response_tokens"]
         log.append(stats)
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", head_acc=f"{stats['head_acc']:.2f}",
@@ -917,6 +927,7 @@ def main(argv=None):
     if master:
         print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step,
                           "minutes": (time.time() - t0) / 60,
+                          "response_tokens_per_s": trained_tokens / (time.time() - t0),  # evaluations included
                           "final": log[-1] if log else None}))
     if world > 1:
         torch.distributed.destroy_process_group()

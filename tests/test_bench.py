@@ -34,6 +34,8 @@ def test_quick_run_is_consistent(tmp_path):
         base = runs[f"baseline T={s['temperature']:g}"]
         ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base)]
         assert s["speedup_median"] == pytest.approx(statistics.median(ratios))
+        assert s["speedup_median_per_category"] == pytest.approx(  # one prompt per category here
+            {r["category"]: ratio for r, ratio in zip(rs, ratios)})
         for r in rs:
             assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / (r["seconds"] - r["prefill_seconds"]))
         # the process holds the fp32 target (0.54 GB) during every run, whatever else it drafts with
@@ -165,3 +167,24 @@ def test_results_survive_a_failing_write(tmp_path, monkeypatch, capsys):
     ok = tmp_path / "ok.json"
     assert bench.write_results(ok, {"a": 2}) == ok and json.loads(ok.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+
+
+def test_paired_ratio_is_a_ratio_of_sums_with_a_paired_interval():
+    """tau over prompts is new tokens over forwards, summed; the interval resamples prompts, both
+    runs together: a constant ratio on every prompt has a zero-width interval however spread the
+    prompts are, and unpaired noise widens it."""
+    a = [{"new_tokens": n, "target_forwards": f, "tokens_per_s": s} for n, f, s in
+         [(100, 50, 30.0), (100, 20, 60.0), (40, 40, 10.0), (128, 32, 40.0)]]
+    b = [{"new_tokens": r["new_tokens"], "target_forwards": 2 * r["target_forwards"],
+          "tokens_per_s": r["tokens_per_s"] / 2} for r in a]
+    r = bench.paired_ratio(a, b)
+    assert r["prompts"] == 4
+    assert r["tau"]["ratio"] == pytest.approx(2.0) and r["tau"]["ci95"] == pytest.approx([2.0, 2.0])
+    assert r["tokens_per_s"]["ratio"] == pytest.approx(2.0) and r["tokens_per_s"]["ci95"] == pytest.approx([2.0, 2.0])
+    # overall tau is 368 / 142 against 368 / 150: not the mean of the per-prompt ratios
+    c = [dict(r, target_forwards=f) for r, f in zip(a, (50, 20, 40, 40))]
+    mixed = bench.paired_ratio(c, a)
+    assert mixed["tau"]["ratio"] == pytest.approx((368 / 150) / (368 / 142))
+    lo, hi = mixed["tau"]["ci95"]
+    assert lo < mixed["tau"]["ratio"] < hi or lo == pytest.approx(mixed["tau"]["ratio"])
+    assert lo >= (128 / 40) / (128 / 32) - 1e-9 and hi <= 1.0 + 1e-9  # inside the per-prompt extremes

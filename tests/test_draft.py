@@ -8,8 +8,8 @@ import torch.nn.functional as F
 import model as M
 import train_vat as TV
 from decode import generate
-from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers,
-                   eagle3_target_layers, load_draft, save_draft)
+from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, HybridDraft, LookupDraft, dflash_mask,
+                   dflash_target_layers, eagle3_target_layers, load_draft, save_draft)
 from verify import Verifier
 
 
@@ -83,8 +83,9 @@ def test_eagle3_training_forward_equals_inference_chain(target):
     tokens, q = drafter.propose(K)
     full = torch.tensor([prompt + tokens.tolist()])
     with torch.no_grad():
-        logits, _ = TV.eagle3_ttt(net, target.embed_tokens, full, features(target, full, layers), K)
-    train_q = net.to_target_probs(F.softmax(logits[0, :, t], -1))  # (K, V)
+        logits, _ = TV.eagle3_chains(net, target.embed_tokens, full, features(target, full, layers),
+                                     torch.tensor([0]), torch.tensor([t]), K)  # the one chain at base t
+    train_q = net.to_target_probs(F.softmax(logits[0], -1))  # (K, V)
     assert torch.allclose(train_q, q, atol=1e-5)
 
 
@@ -299,3 +300,41 @@ def test_packed_drafts_propose_what_plain_ones_do(target, kind):
         d.start(prompt, feats)
         outs.append(d.propose(4))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.allclose(outs[0][1], outs[1][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_a_draft_that_sat_out_steps_proposes_as_if_it_had_drafted_them(target, kind):
+    """Commits pile up while another draft proposes (HybridDraft); the next proposal is the one
+    a draft started on the whole sequence makes."""
+    net = eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=5)
+    layers = net.target_layers
+
+    def drafter():
+        if kind == "eagle3":
+            return Eagle3Draft(net, target.embed_tokens, 128)
+        return DFlashDraft(net, target.embed_tokens, target.lm_head, 128)
+    torch.manual_seed(3)
+    seq = torch.randint(0, 97, (20,)).tolist()
+    states = features(target, torch.tensor([seq]), layers)[0]  # (20, n * dim)
+    sat_out = drafter()
+    sat_out.start(seq[:8], states[:7])
+    sat_out.propose(3)  # drafted once, then others proposed for two steps
+    sat_out.commit(seq[8:10], 1, states[7:9])
+    sat_out.commit(seq[10:13], 2, states[9:12])
+    fresh = drafter()
+    fresh.start(seq[:13], states[:12])
+    assert sat_out.propose(4)[0].tolist() == fresh.propose(4)[0].tolist()
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_hybrid_draft_uses_both_and_decodes_exactly(target, kind):
+    net = eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=5)
+    model_draft = Eagle3Draft(net, target.embed_tokens, 128) if kind == "eagle3" else \
+        DFlashDraft(net, target.embed_tokens, target.lm_head, 128)
+    prompt = [5, 17, 3, 9, 5, 17, 3, 9, 5, 17, 3, 42, 8, 11]
+    plain = generate(target, prompt, max_new_tokens=40)
+    hybrid = HybridDraft(model_draft)
+    spec = generate(target, prompt, hybrid, Verifier("greedy"), k=4, max_new_tokens=40)
+    assert spec["tokens"] == plain["tokens"]
+    assert 0 < hybrid.looked_up < hybrid.steps and spec["draft_forwards"] > 0
+    assert isinstance(hybrid.lookup, LookupDraft) and hybrid.lookup.min_ngram == 2
