@@ -529,6 +529,8 @@ def build_corpus(target, tokenizer, args) -> Path:
     order += sorted(range(args.eval_prompts, len(encoded)), key=lambda i: len(encoded[i]))
     groups = [order[i:i + args.gen_batch] for i in range(args.eval_prompts, len(order), args.gen_batch)]
     groups = [[i] for i in order[:args.eval_prompts]] + groups
+    if args.corpus_batches:  # a prefix of the corpus: the held-out prompts, then the shortest prompts
+        groups = groups[:args.eval_prompts + args.corpus_batches]
     todo = [(n, g) for n, g in enumerate(groups) if not (folder / f"shard-{n:05d}.pt").is_file()]
     if todo:
         print(f"corpus: {len(prompts)} prompts, {len(todo)} of {len(groups)} generation batches to do, "
@@ -544,14 +546,16 @@ def build_corpus(target, tokenizer, args) -> Path:
         shard["prompt_index"] = torch.tensor(group)
         shard["layers"] = torch.tensor(layers)
         save_atomically(shard, folder / f"shard-{n:05d}.pt")
-    return folder
+    return folder, len(groups)
 
 
 class Corpus:
-    """The shards of a corpus folder as flat tensors; sequence i is rows offsets[i]:offsets[i+1]."""
+    """The first n_shards shards of a corpus folder as flat tensors (all of them by default);
+    sequence i is rows offsets[i]:offsets[i+1]."""
 
-    def __init__(self, folder: Path):
-        shards = [torch.load(f, weights_only=True, mmap=True) for f in sorted(folder.glob("shard-*.pt"))]
+    def __init__(self, folder: Path, n_shards: int | None = None):
+        shards = [torch.load(f, weights_only=True, mmap=True)
+                  for f in sorted(folder.glob("shard-*.pt"))[:n_shards]]
         if not shards:
             raise ValueError(f"{folder} holds no corpus shards")
         self.layers = tuple(shards[0]["layers"].tolist())
@@ -673,6 +677,9 @@ def get_args(argv=None):
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--response-tokens", type=int, default=160, help="tokens per regenerated response")
     ap.add_argument("--gen-batch", type=int, default=48, help="prompts per batched target generation")
+    ap.add_argument("--corpus-batches", type=int, default=None,
+                    help="captured features: generate and train on only the first N generation batches "
+                         "(after the held-out prompts; prompts are ordered by length, so the shortest)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3 reduced draft vocabulary")
     ap.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 unrolled training-time-test steps K")
     ap.add_argument("--block-size", type=int, default=16, help="DFlash block size")
@@ -730,6 +737,8 @@ def check_settings(ap, args):
                  "save_every", "response_tokens", "max_prompt_tokens", "eval_k", "blocks_per_seq"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.corpus_batches is not None and args.corpus_batches < 1:
+        ap.error(f"--corpus-batches must be >= 1, got {args.corpus_batches}")
     for name in ("warmup", "eval_every", "eval_prompts", "num_prompts", "self_prompts"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -859,7 +868,7 @@ def main(argv=None):
 
     # data: prompts, the target's own responses, a few held out for the real-tau check
     target, tokenizer = load_frozen_target(args, device)
-    corpus = Corpus(build_corpus(target, tokenizer, args)) if args.features == "captured" else None
+    corpus = Corpus(*build_corpus(target, tokenizer, args)) if args.features == "captured" else None
     data = [corpus.sequence(i) for i in range(len(corpus))] if corpus else build_dataset(target, tokenizer, args)
     if args.prepare_only:
         print(json.dumps({"sequences": len(data), "tokens": sum(len(ids) for ids, *_ in data),

@@ -518,7 +518,8 @@ def test_chain_training_equals_the_dense_reference(tiny_dir, parts):
 
 def corpus_args(tmp_path, **over):
     args = dict(target="tiny", data="prompts", num_prompts=0, self_prompts=0, response_tokens=12,
-                max_prompt_tokens=32, gen_batch=4, eval_prompts=2, cache_dir=str(tmp_path / "cache"))
+                max_prompt_tokens=32, gen_batch=4, eval_prompts=2, corpus_batches=None,
+                cache_dir=str(tmp_path / "cache"))
     args.update(over)
     return argparse.Namespace(**args)
 
@@ -561,7 +562,7 @@ def test_training_from_the_corpus_equals_training_on_the_fly(tmp_path, kind):
     prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers " * (1 + i % 3)}) + "\n"
                                for i in range(10)))
     args = corpus_args(tmp_path, data=str(prompts))
-    corpus = TV.Corpus(TV.build_corpus(target, tokenizer, args))
+    corpus = TV.Corpus(*TV.build_corpus(target, tokenizer, args))
     assert len(corpus) == 10 and corpus.layers == TV.corpus_layers(target.args.n_layer)
     net = eagle3_net(target, draft_vocab=97) if kind == "eagle3" else dflash_net(target, block=4)
     targs = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0,
@@ -615,8 +616,9 @@ def test_an_interrupted_corpus_build_continues_where_it_stopped(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"question {i}"}) + "\n" for i in range(9)))
     args = corpus_args(tmp_path, data=str(prompts))
-    folder = TV.build_corpus(target, tokenizer, args)
+    folder, n_shards = TV.build_corpus(target, tokenizer, args)
     shards = sorted(folder.glob("shard-*.pt"))
+    assert n_shards == len(shards)
     assert len(shards) == 2 + 2  # two held-out prompts alone, then 7 prompts in batches of 4
     whole = TV.Corpus(folder)
     stamps = {f.name: f.stat().st_mtime_ns for f in shards}
@@ -627,6 +629,11 @@ def test_an_interrupted_corpus_build_continues_where_it_stopped(tmp_path):
     assert again.tokens.tolist() == whole.tokens.tolist()
     assert torch.equal(again.features, whole.features)
     assert [again.sequence(i) for i in range(len(again))] == [whole.sequence(i) for i in range(len(whole))]
+    # a prefix: the held-out prompts and the first batch, nothing generated beyond it
+    args.corpus_batches = 1
+    assert TV.build_corpus(target, tokenizer, args) == (folder, 3)
+    prefix = TV.Corpus(folder, 3)
+    assert len(prefix) == 2 + 4 and prefix.tokens.tolist() == whole.tokens[:len(prefix.tokens)].tolist()
 
 
 @pytest.mark.slow
