@@ -42,6 +42,7 @@ import model as M
 from decode import (DEFAULT_DRAFTS, build_draft, check_prompt, compile_step, default_device, generate,
                     load_target, pick_threads, prompt_text, read_jsonl, repo_path, repo_relative,
                     target_weights, wants_compile)
+from draft import AdaptiveDraft
 from sandbox import SandboxError, check_sandbox, run_untrusted
 from verify import VERIFIERS, Verifier
 
@@ -157,25 +158,30 @@ def quartiles(xs):
 # Runs
 
 def split_early_exit(spec: str):
-    """'DRAFT@ee' -> (DRAFT, 'auto'): the paper's threshold; 'DRAFT@ee0.2' -> (DRAFT, 0.2)."""
-    base, _, ee = spec.partition("@ee")
+    """'DRAFT@ee' -> (DRAFT, 'auto'): the paper's threshold; 'DRAFT@ee0.2' -> (DRAFT, 0.2)
+    (an @adapt suffix, see make_draft, is not part of either)."""
+    base, _, ee = spec.removesuffix("@adapt").partition("@ee")
     return base, (None if "@ee" not in spec else float(ee) if ee else "auto")
 
 
 def draft_label(spec: str) -> str:
     base, early_exit = split_early_exit(spec)
-    path = Path(base.split(":", 1)[-1])
+    hybrid = base.startswith("lookup+")
+    path = Path(base.removeprefix("lookup+").split(":", 1)[-1])
     name = base if base == "lookup" else (path.parent.name if path.name == "checkpoint" else path.name)
-    if early_exit is None:
-        return name
-    return name + " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}")
+    name = ("lookup+" if hybrid else "") + name
+    if early_exit is not None:
+        name += " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}")
+    return name + (" +adaptive" if spec.endswith("@adapt") else "")
 
 
 def make_draft(spec, target, tokenizer, temperature, generator):
-    """A draft spec as decode.py takes it, optionally suffixed @ee (or @ee<threshold>) for early exit."""
+    """A draft spec as decode.py takes it, optionally suffixed @ee (or @ee<threshold>) for early
+    exit, then @adapt for the adaptive draft length (decode.py --adaptive)."""
     base, early_exit = split_early_exit(spec)
-    return build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
-                       early_exit=early_exit)
+    draft = build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
+                        early_exit=early_exit)
+    return AdaptiveDraft(draft) if spec.endswith("@adapt") else draft
 
 
 @dataclass
@@ -300,7 +306,8 @@ def paired_ratio(a: list, b: list, resamples: int = 10000, seed: int = 0) -> dic
         return torch.tensor([float(r[key]) for r in runs], dtype=torch.double)  # (n,)
 
     def overall_tau(runs, rows):
-        return per_prompt(runs, "new_tokens")[rows].sum(-1) / per_prompt(runs, "target_forwards")[rows].sum(-1)
+        new, forwards = per_prompt(runs, "new_tokens"), per_prompt(runs, "target_forwards")
+        return new[rows].sum(-1) / forwards[rows].sum(-1)
 
     def overall_speed(runs, rows):
         return per_prompt(runs, "tokens_per_s")[rows].sum(-1)
@@ -570,7 +577,8 @@ def get_args(argv=None):
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     ap.add_argument("--drafts", default=default_drafts,
                     help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds the "
-                         "paper's early exit (0.5 EAGLE-3, 0.6 DFlash), @ee0.2 a threshold of your own")
+                         "paper's early exit (0.5 EAGLE-3, 0.6 DFlash), @ee0.2 a threshold of your own; then "
+                         "@adapt the adaptive draft length (decode.py --adaptive)")
     ap.add_argument("--verifiers", default="greedy,lossless",
                     help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
                          "lossless (the same rule there) is left out if greedy is in")
@@ -768,7 +776,8 @@ def main(argv=None):
     print_report(args, summary, quality, table)
     for name, r in paired.items():
         print(f"\n{name} on {r['prompts']} prompts: tau ratio {r['tau']['ratio']:.3f} (95% CI "
-              f"{r['tau']['ci95'][0]:.3f}-{r['tau']['ci95'][1]:.3f}), tokens/s ratio {r['tokens_per_s']['ratio']:.3f} "
+              f"{r['tau']['ci95'][0]:.3f}-{r['tau']['ci95'][1]:.3f}), "
+              f"tokens/s ratio {r['tokens_per_s']['ratio']:.3f} "
               f"({r['tokens_per_s']['ci95'][0]:.3f}-{r['tokens_per_s']['ci95'][1]:.3f})")
     if int8_check:
         print(f"\nint8 against fp32 on {int8_check['tokens']} tokens of held-out text: top-1 agreement "
@@ -789,7 +798,8 @@ def main(argv=None):
                    "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
                    "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                    "python": platform.python_version()},
-        "speed": summary, "paired": paired, "quality": quality, "decode_table": table, "int8_quality": int8_check,
+        "speed": summary, "paired": paired, "quality": quality, "decode_table": table,
+        "int8_quality": int8_check,
         "plots": [shown(p) for p in images],
         "runs": records,  # every run on every prompt, its tokens included
     }

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 import model as M
-from draft import DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft, NoDraft, draft_kind, load_draft
+from draft import (AdaptiveDraft, DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft, NoDraft,
+                   draft_kind, load_draft)
 from tokenizer import load_tokenizer
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
 
@@ -293,8 +294,9 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
     if spec == "lookup":
         return LookupDraft()
     if spec.startswith("lookup+"):
-        return HybridDraft(build_draft(spec[len("lookup+"):], target, tokenizer, temperature, top_p, generator,
-                                       early_exit, pack))
+        model_draft = build_draft(spec.removeprefix("lookup+"), target, tokenizer, temperature, top_p,
+                                  generator, early_exit, pack)
+        return HybridDraft(model_draft)
     kind, _, where = spec.partition(":") if spec.split(":")[0] in ("eagle3", "dflash") else ("", "", spec)
     path = M.resolve_model(where)
     if not kind and (path / "config.json").is_file():
@@ -336,7 +338,8 @@ def get_args(argv=None):
     ap.add_argument("--draft", default=None,
                     help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, "
                          "a model name/directory sharing the target's tokenizer, or lookup+ONE OF THOSE (a "
-                         "hybrid: prompt lookup where a 2-3 token match exists, the draft elsewhere). Default: the fastest "
+                         "hybrid: prompt lookup where a 2-3 token match exists, the draft elsewhere). "
+                         "Default: the fastest "
                          "configuration measured on a 2-core CPU (README): prompt lookup at T = 0, plain "
                          "decoding at T > 0 (where lookup measured slower); with a lossy --verifier, the "
                          "committed EAGLE-3 draft for smollm2-135m (those verifiers mix the draft's "
@@ -349,6 +352,10 @@ def get_args(argv=None):
                     type=lambda v: v if v == "auto" else float(v),
                     help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls "
                          "below this (bare flag: 0.5 for EAGLE-3, 0.6 for DFlash)")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="set each step's draft length from recent acceptance (+2 after a block kept "
+                         "whole, the kept length + 1 after a rejection) and pause drafting after blocks that "
+                         "keep nothing")
     ap.add_argument("--p-base", type=float, default=0.1, help="minp: keep x iff p(x) >= p_base * max p")
     ap.add_argument("--eps", type=float, default=3e-4,
                     help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p))); 3e-4 is eta-sampling's "
@@ -468,6 +475,7 @@ def main(argv=None):
     if args.verifier != "none":
         draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
                             generator=generator, early_exit=args.early_exit, pack=args.pack)
+        draft = AdaptiveDraft(draft) if args.adaptive else draft
     step_fn = compile_step(target) if compiled else target
 
     for text in prompts:

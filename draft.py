@@ -130,6 +130,7 @@ class ModelDraft:
         # drafted tokens 0..drafted-2 went through the cache; keep the accepted ones among them
         self.cache_len += min(n_accepted, max(self.drafted - 1, 0))
         self.seq += list(new_ids)
+        self.drafted = 0  # a step this draft sits out (HybridDraft, AdaptiveDraft) drafts nothing
 
 
 # -----------------------------------------------------------------------------
@@ -634,3 +635,57 @@ def replace_directory(new: Path, path: Path):
         shutil.rmtree(old, ignore_errors=True)
     else:
         new.rename(path)
+
+
+# -----------------------------------------------------------------------------
+# Adaptive draft length: draft long where guesses are kept, pause where none are
+
+class AdaptiveDraft:
+    """Wraps any draft and sets each step's draft length from the last steps: +2 after a block
+    kept whole, the kept length + 1 after a rejection, and after two blocks in a row that kept
+    nothing a pause of 1, 2, 4 ... 16 steps with no drafting (a paused step costs what a plain
+    decoding step costs), until a block keeps a token again. The draft still sees every commit."""
+
+    MAX_PAUSE = 16
+
+    def __init__(self, draft):
+        self.draft = draft
+        self.target_layers = draft.target_layers
+        self.max_tokens = getattr(draft, "max_tokens", float("inf"))
+        self.length = None  # set from the first step's k
+        self.misses = self.paused = 0
+        self.next_pause = 1
+        self.proposed = 0
+
+    @property
+    def forwards(self):
+        return self.draft.forwards
+
+    def start(self, prompt_ids, features=None):
+        self.draft.start(prompt_ids, features)
+
+    def propose(self, k: int):
+        self.proposed = 0
+        if self.paused:
+            self.paused -= 1
+            return no_tokens()
+        self.length = k if self.length is None else min(self.length, k)
+        tokens, q = self.draft.propose(max(1, self.length))
+        self.proposed, self.k_asked = len(tokens), k
+        return tokens, q
+
+    def commit(self, new_ids, n_accepted, features=None):
+        self.draft.commit(new_ids, n_accepted, features)
+        if not self.proposed:  # paused, or the draft declined: nothing learned about its guesses
+            return
+        if n_accepted == self.proposed:
+            self.length = min(self.k_asked, self.length + 2)
+        else:
+            self.length = n_accepted + 1
+        if n_accepted:
+            self.misses, self.next_pause = 0, 1
+            return
+        self.misses += 1
+        if self.misses == 2:
+            self.misses, self.paused = 0, self.next_pause
+            self.next_pause = min(2 * self.next_pause, self.MAX_PAUSE)

@@ -251,7 +251,7 @@ def eagle3_target_side(net: Eagle3, target, batch):
             return features, logp, logits.argmax(-1)
         features, final, lse, top = captured
         rows = M.dense_weight(target.lm_head)[net.draft_to_target()].float()  # (Vd, dim)
-        logp = F.linear(final.float(), rows) - lse[..., None]  # (B, T, Vd), normalized over the full vocabulary
+        logp = F.linear(final.float(), rows) - lse[..., None]  # (B, T, Vd), normalized over all V
         return captured_features(features, net.target_layers, target), logp, top.long()
 
 
@@ -350,8 +350,8 @@ def batch_generate(target, prompts_ids: list, max_new_tokens: int, stop_ids, tem
         key_valid[b, P - len(ids):] = True
     key_valid[:, P:] = True
     wanted = () if capture_layers is None else tuple(capture_layers) + (target.args.n_layer,)
-    logits, hidden = target(tokens, torch.arange(P, device=device), key_valid=key_valid, last_logits_only=True,
-                            hidden_layers=wanted)
+    logits, hidden = target(tokens, torch.arange(P, device=device), key_valid=key_valid,
+                            last_logits_only=True, hidden_layers=wanted)
     rows = [target_rows(target, hidden)] if wanted else []  # per forward: dict of (B, t, ...)
     out = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -504,8 +504,9 @@ def corpus_dir(args) -> Path:
     files = [p for p in args.data.split(",") if p and p != "self"]
     n_self = args.self_prompts if "self" in args.data.split(",") else 0
     key_src = ",".join(hashlib.sha1(repo_path(p).read_bytes()).hexdigest()[:12] for p in files)
-    key = hashlib.sha1(f"corpus-v1|{args.target}|{key_src}|{args.num_prompts}|{n_self}|{args.response_tokens}|"
-                       f"{args.max_prompt_tokens}|{args.gen_batch}|{args.eval_prompts}".encode()).hexdigest()[:12]
+    settings = (f"corpus-v1|{args.target}|{key_src}|{args.num_prompts}|{n_self}|{args.response_tokens}|"
+                f"{args.max_prompt_tokens}|{args.gen_batch}|{args.eval_prompts}")
+    key = hashlib.sha1(settings.encode()).hexdigest()[:12]
     return Path(args.cache_dir) / f"corpus-{key}"
 
 
@@ -641,8 +642,10 @@ def evaluate_tau(net, target, tokenizer, prompts, args) -> float:
 # The run
 
 # defaults that depend on the machine: the GPU recipe, and a CPU one that ends in about an hour
-GPU_DEFAULTS = dict(features="on-the-fly", steps=2000, batch_size=8, seq_len=384, draft_vocab=8192, eval_every=250, save_every=100)
-CPU_DEFAULTS = dict(features="captured", steps=150, batch_size=4, seq_len=320, draft_vocab=4096, eval_every=50, save_every=25)
+GPU_DEFAULTS = dict(features="on-the-fly", steps=2000, batch_size=8, seq_len=384, draft_vocab=8192,
+                    eval_every=250, save_every=100)
+CPU_DEFAULTS = dict(features="captured", steps=150, batch_size=4, seq_len=320, draft_vocab=4096,
+                    eval_every=50, save_every=25)
 QUICK = dict(steps=2, batch_size=2, seq_len=128, draft_vocab=1024, eval_every=2, save_every=1, num_prompts=12,
              self_prompts=0, response_tokens=24, gen_batch=12, eval_prompts=2)
 VAT_PARTS = ("head", "weighting", "ce")
@@ -869,7 +872,10 @@ def main(argv=None):
     # data: prompts, the target's own responses, a few held out for the real-tau check
     target, tokenizer = load_frozen_target(args, device)
     corpus = Corpus(*build_corpus(target, tokenizer, args)) if args.features == "captured" else None
-    data = [corpus.sequence(i) for i in range(len(corpus))] if corpus else build_dataset(target, tokenizer, args)
+    if corpus:
+        data = [corpus.sequence(i) for i in range(len(corpus))]
+    else:
+        data = build_dataset(target, tokenizer, args)
     if args.prepare_only:
         print(json.dumps({"sequences": len(data), "tokens": sum(len(ids) for ids, *_ in data),
                           "response_tokens": sum(len(ids) - start for ids, start, _ in data)}))
@@ -892,8 +898,8 @@ def main(argv=None):
     if corpus:  # whole sequences of similar length, as many as fit batch_size * seq_len padded tokens
         train = range(args.eval_prompts, len(corpus))
         epoch = len(length_groups(corpus, train, args.batch_size * args.seq_len, args.seq_len))
-        print(f"corpus: {len(train)} training sequences, {corpus.response_tokens()} response tokens; one epoch "
-              f"is {epoch} steps of up to {args.batch_size * args.seq_len} tokens", file=sys.stderr)
+        print(f"corpus: {len(train)} training sequences, {corpus.response_tokens()} response tokens; "
+              f"one epoch is {epoch} steps of up to {args.batch_size * args.seq_len} tokens", file=sys.stderr)
         stream = corpus_batches(corpus, train, args.batch_size * args.seq_len, args.seq_len, rng)
     else:
         stream = batches(data, args.batch_size, args.seq_len, rng)
@@ -936,7 +942,8 @@ def main(argv=None):
     if master:
         print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step,
                           "minutes": (time.time() - t0) / 60,
-                          "response_tokens_per_s": trained_tokens / (time.time() - t0),  # evaluations included
+                          # response tokens trained on per second, evaluations included
+                          "response_tokens_per_s": trained_tokens / (time.time() - t0),
                           "final": log[-1] if log else None}))
     if world > 1:
         torch.distributed.destroy_process_group()

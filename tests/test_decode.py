@@ -222,3 +222,24 @@ def test_auto_threads_leave_a_busy_core_alone():
     finally:
         busy.kill()
         busy.wait()
+
+
+@pytest.mark.parametrize("which", ["wrong", "right"])
+def test_adaptive_draft_length_pauses_where_nothing_is_kept(tiny, which):
+    """The adaptive wrapper changes nothing but how much is drafted: greedy still equals plain;
+    a draft that is never right is paused for longer and longer (few drafted tokens), a draft that
+    is always right drafts the full k."""
+    from draft import AdaptiveDraft
+    target = load(tiny)
+    prompt = [5, 17, 3, 5, 17, 3, 5, 17, 3, 42, 8]
+    plain = generate(target, prompt, max_new_tokens=60)
+    inner = WrongDraft(load(tiny)) if which == "wrong" else ModelDraft(load(tiny))
+    spec = generate(target, prompt, AdaptiveDraft(inner), Verifier("greedy"), k=6, max_new_tokens=60)
+    assert spec["tokens"] == plain["tokens"]
+    if which == "wrong":
+        # drafts 6, 5 (two misses) -> pause 1 -> 1, 1 -> pause 2 -> 1, 1 -> pause 4 ... : 6 + 5 + 1 + 1 + ...
+        assert spec["drafted_tokens"] <= 6 + 5 + 2 * 4 and spec["tau"] == 1.0
+        assert spec["target_forwards"] == 60
+    else:
+        assert spec["accepted_per_position"] == [1.0] * 6
+        assert spec["target_forwards"] <= -(-60 // 7) + 2
