@@ -328,8 +328,12 @@ def paired_runs(args, records: dict, temperatures: dict) -> dict:
     if not args.paired:
         return {}
     a, b = (draft_label(d) for d in args.paired)
-    return {f"{name} vs {b}": paired_ratio(records[name], records[name.replace(a, b, 1)])
-            for name in records if name.startswith(a + " ")}
+    pairs = {}
+    for name in records:  # A's run with a verifier and temperature, and B's with the same ones
+        twin = b + name[len(a):]
+        if name.startswith(a + " ") and twin in records:
+            pairs[f"{name} vs {b}"] = paired_ratio(records[name], records[twin])
+    return pairs
 
 
 def quality_runs(args, target, tokenizer, generator):

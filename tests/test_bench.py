@@ -188,3 +188,16 @@ def test_paired_ratio_is_a_ratio_of_sums_with_a_paired_interval():
     lo, hi = mixed["tau"]["ci95"]
     assert lo < mixed["tau"]["ratio"] < hi or lo == pytest.approx(mixed["tau"]["ratio"])
     assert lo >= (128 / 40) / (128 / 32) - 1e-9 and hi <= 1.0 + 1e-9  # inside the per-prompt extremes
+
+
+def test_paired_runs_pair_only_runs_with_a_twin():
+    """--paired A,B compares A's runs with B's runs of the same verifier and temperature; A's
+    runs that B has no twin for (A with early exit) are left out, not a crash after the runs."""
+    import argparse
+    run = [{"new_tokens": 10, "target_forwards": 5, "tokens_per_s": 20.0}]
+    records = {"baseline T=0": run, "a greedy T=0": run, "b greedy T=0": run,
+               "a +early-exit 0.05 greedy T=0": run, "a greedy T=1": run}
+    args = argparse.Namespace(paired=["runs/a/checkpoint", "runs/b/checkpoint"])
+    pairs = bench.paired_runs(args, records, {})
+    assert list(pairs) == ["a greedy T=0 vs b"]
+    assert pairs["a greedy T=0 vs b"]["tau"]["ratio"] == 1.0
