@@ -9,11 +9,12 @@ Verification-Aware Training (VAT) of EAGLE-3 and DFlash drafts, and their plain 
    `instruction`, GSM8K `question`) or written by the target itself from the bare chat-template
    prefix (Magpie). The target regenerates every response (greedy by default), so the draft learns
    the target's own distribution; responses are cached on disk and reused by later runs.
-2. Target features are computed on the fly, batch by batch (caching them costs hundreds of GB for
-   an 8B target).
-3. EAGLE-3 unrolls K = 7 draft steps (training-time test): step s attends to the real prefix and
-   to its own earlier steps; loss weights 0.8^(k-1); soft cross-entropy against the target on the
-   draft vocabulary. DFlash fills blocks of 16 at random anchors; hard cross-entropy with weights
+2. Target features: on a CPU, captured while the target generates and kept on disk with its
+   log-probability normalizer (the corpus section), so training never runs the target; on a GPU,
+   computed on the fly batch by batch (storing them costs hundreds of GB for an 8B target).
+3. EAGLE-3 unrolls K = 7 draft steps (training-time test) for the base positions whose chain
+   reaches a response token: step s attends to the real prefix and to its own earlier steps; loss
+   weights 0.8^(k-1); soft cross-entropy against the target on the draft vocabulary. DFlash fills blocks of 16 at random anchors; hard cross-entropy with weights
    exp(-(k-1)/7).
 4. VAT simulates verification at every step: m_k = 1 if the target keeps the drafted token at
    position k; k* is the first k with m_k = 0 (K+1 if none). The verification head learns
@@ -641,7 +642,7 @@ def evaluate_tau(net, target, tokenizer, prompts, args) -> float:
 # -----------------------------------------------------------------------------
 # The run
 
-# defaults that depend on the machine: the GPU recipe, and a CPU one that ends in about an hour
+# defaults that depend on the machine: the GPU recipe, and a CPU one that ends in well under an hour
 GPU_DEFAULTS = dict(features="on-the-fly", steps=2000, batch_size=8, seq_len=384, draft_vocab=8192,
                     eval_every=250, save_every=100)
 CPU_DEFAULTS = dict(features="captured", steps=150, batch_size=4, seq_len=320, draft_vocab=4096,
@@ -658,8 +659,8 @@ def get_args(argv=None):
         epilog="Machine-dependent defaults (None above): on CUDA "
                + ", ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items())
                + "; on CPU " + ", ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items())
-               + " (about 40 minutes of training on 2 cores, after about 15 minutes of data generation the "
-                 "first time). --quick is a 2-step smoke run on 12 prompts.")
+               + " (the committed general draft's recipe: about 15 minutes of data generation the first time, "
+                 "then a few minutes of training on 2 cores). --quick is a 2-step smoke run on 12 prompts.")
     ap.add_argument("--target", default=M.DEFAULT_TARGET, help=f"name ({', '.join(M.HF_REPOS)}) or directory")
     ap.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"))
     ap.add_argument("--objective", default="vat", choices=("vat", "baseline"),
@@ -769,8 +770,8 @@ def announce_defaults(args):
     """Say up front what a CPU run will cost: the defaults must not start a 10-hour job unasked."""
     if args.device == "cpu" and not args.quick:
         print(f"CPU run: {args.steps} steps of batch {args.batch_size} x {args.seq_len} tokens (draft "
-              f"vocabulary {args.draft_vocab}); with the defaults about 40 minutes on 2 cores, plus about "
-              f"15 minutes of data generation the first time. The progress bars show the ETA; "
+              f"vocabulary {args.draft_vocab}); with the defaults about 15 minutes of data generation the "
+              f"first time, then a few minutes of training on 2 cores. The progress bars show the ETA; "
               f"--time-budget caps it.",
               file=sys.stderr)
 
