@@ -655,7 +655,7 @@ class AdaptiveDraft:
         self.length = None  # set from the first step's k
         self.misses = self.paused = 0
         self.next_pause = 1
-        self.proposed = 0
+        self.proposed = self.k_asked = 0  # the last step's drafted tokens, and the k it was asked for
 
     @property
     def forwards(self):
