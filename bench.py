@@ -1,31 +1,25 @@
 """
 The end-to-end benchmark: what each draft and verifier buys in acceptance length (tau) and
-wall-clock speed over plain autoregressive decoding, and what each lossy verifier costs in task
-quality, measured side by side in one run.
+wall-clock speed over plain autoregressive decoding, measured side by side in one run. (What each
+lossy verifier costs in task quality is lossy.py's experiment.)
 
 Speed runs are interleaved prompt by prompt (A B C A B C ...) after a warm-up, so that machine
 drift cancels in the ratios: every speedup is the median over prompts of (tokens/s of the run) /
 (tokens/s of the plain baseline on the same prompt), with its interquartile range.
 
-Quality runs sweep each lossy verifier's parameter on GSM8K (exact match) and HumanEval (pass@1,
-the generated code run in sandbox.py's isolation: no network, no writes outside its directory),
-next to lossless and plain sampling, each with a 95% Wilson interval so a real drop can be told from noise.
-
     python bench.py --quick                                      # smoke test (CI runs it)
     python bench.py --limit 5 --drafts lookup,drafts/smollm2-135m-eagle3-vat --temperatures 0
     python bench.py --prompt-file my.jsonl --peers               # add transformers' generate
-    python bench.py --quality gsm8k,humaneval --quality-limit 50 --speed-off
+    python bench.py --speed-off --decode-table smollm2-135m --int8-quality 40
 
 Writes a markdown table to stdout, every raw number and the configuration to --out (JSON), PNG
 plots beside it, and ends stdout with one JSON line of headline figures.
 """
 import argparse
-import gzip
 import json
 import math
 import os
 import platform
-import re
 import resource
 import statistics
 import subprocess
@@ -43,20 +37,10 @@ from decode import (DEFAULT_DRAFTS, build_draft, check_prompt, compile_step, def
                     load_target, pick_threads, prompt_text, read_jsonl, repo_path, repo_relative,
                     target_weights, wants_compile)
 from draft import AdaptiveDraft
-from sandbox import SandboxError, check_sandbox, run_untrusted
 from verify import VERIFIERS, Verifier
 
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
-
-# the quality sweep: each lossy verifier's parameter, from near-lossless to lenient
-SWEEP = [("lossless", {})] + \
-        [("minp", {"p_base": v}) for v in (0.3, 0.05)] + \
-        [("eta", {"eps": v}) for v in (0.01, 0.3)] + \
-        [("cos", {"lam": v}) for v in (0.75, 0.25)] + \
-        [("lenience", {"lenience": v}) for v in (0.75, 0.25)] + \
-        [("overshoot", {"ceiling": v, "lam": 0.5}) for v in (2.0, 4.0)]
-
 
 # -----------------------------------------------------------------------------
 # Prompts and tasks
@@ -75,54 +59,6 @@ def load_prompts(path: Path, categories, limit: int | None) -> list:
     if not out:
         raise ValueError(f"no prompts selected from {path}")
     return out
-
-
-def gsm8k_problems(limit: int) -> list:
-    rows = [r for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")][:limit]
-    return [{"prompt": r["question"] + "\nSolve it step by step and end with 'The answer is N.'",
-             "answer": r["answer"].split("####")[-1].strip().replace(",", "")} for r in rows]
-
-
-def gsm8k_correct(text: str, answer: str) -> bool:
-    """The last number in the response, against the reference after '####'."""
-    numbers = re.findall(r"-?\d[\d,]*\.?\d*", text)
-    if not numbers:
-        return False
-    try:
-        return abs(float(numbers[-1].replace(",", "").rstrip(".")) - float(answer)) < 1e-6
-    except ValueError:
-        return False
-
-
-def humaneval_problems(limit: int) -> list:
-    with gzip.open(DATA / "HumanEval.jsonl.gz", "rt") as f:
-        rows = [json.loads(line) for line in f][:limit]
-    ask = "Complete this Python function. Reply with the whole function in a ```python block.\n\n"
-    return [{"prompt": ask + f"```python\n{r['prompt']}```", "code": r["prompt"], "test": r["test"],
-             "entry_point": r["entry_point"]} for r in rows]
-
-
-def humaneval_passes(problem: dict, response: str, timeout: float = 10.0) -> bool:
-    """Run the answer against the problem's tests in the sandbox (sandbox.py: no network, no writes
-    outside its own directory, limited memory, processes and time)."""
-    blocks = re.findall(r"```(?:python)?\n(.*?)(?:```|$)", response, re.S)
-    code = blocks[0] if blocks else response
-    if f"def {problem['entry_point']}" not in code:  # a body only: complete the given signature
-        code = problem["code"] + code
-    else:  # keep the prompt's imports and helpers in front of the whole function
-        code = problem["code"].split(f"def {problem['entry_point']}")[0] + code
-    program = f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
-    return run_untrusted(program, timeout=timeout).returncode == 0
-
-
-def wilson(successes: int, n: int, z: float = 1.96):
-    """95% Wilson score interval of a proportion."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def reset_peak_memory(device: str):
@@ -336,47 +272,6 @@ def paired_runs(args, records: dict, temperatures: dict) -> dict:
     return pairs
 
 
-def quality_runs(args, target, tokenizer, generator):
-    """The lossy-verifier sweep on GSM8K / HumanEval, every configuration on every problem."""
-    draft = make_draft(args.quality_draft, target, tokenizer, args.quality_temperature, generator)
-    configs = [("plain sampling", None, {})] + [(" ".join([n] + [f"{k}={v:g}" for k, v in p.items()]), n, p)
-                                                for n, p in SWEEP]
-    out = {}
-    for task in args.quality:
-        load = gsm8k_problems if task == "gsm8k" else humaneval_problems
-        problems = load(args.quality_limit)
-        # per problem too, so that two verifiers can be compared problem by problem
-        results = {label: {"correct": 0, "new": 0, "forwards": 0, "per_problem": []}
-                   for label, _, _ in configs}
-        for problem in tqdm(problems, desc=f"quality {task}", file=sys.stderr):
-            ids = tokenizer.encode_chat([{"role": "user", "content": problem["prompt"]}])
-            for label, name, params in configs:
-                verifier = Verifier(name or "lossless", **params)
-                r = generate(target, ids, draft if name else None, verifier,
-                             k=args.num_draft_tokens if name else 0,
-                             max_new_tokens=args.quality_max_new_tokens, temperature=args.quality_temperature,
-                             stop_ids=tokenizer.stop_ids, generator=generator, step_fn=args.step_fn)
-                text = tokenizer.decode([t for t in r["tokens"] if t not in tokenizer.stop_ids])
-                if task == "gsm8k":
-                    ok = gsm8k_correct(text, problem["answer"])
-                else:
-                    ok = humaneval_passes(problem, text)
-                res = results[label]
-                res["correct"] += ok
-                res["new"] += r["new_tokens"]
-                res["forwards"] += r["target_forwards"]
-                res["per_problem"].append({"correct": bool(ok), "new_tokens": r["new_tokens"],
-                                           "target_forwards": r["target_forwards"]})
-        for label, res in results.items():
-            n = len(problems)
-            # block efficiency: the lossy-verification paper's name for tau, kept in its experiment
-            res.update(n=n, accuracy=res["correct"] / n, ci95=wilson(res["correct"], n),
-                       block_efficiency=res["new"] / max(res["forwards"], 1),
-                       family=Verifier(label.split()[0]).family if label != "plain sampling" else "plain")
-        out[task] = results
-    return out
-
-
 # -----------------------------------------------------------------------------
 # Decode-speed table: the named targets' shapes with random weights, against the bandwidth floor.
 # A decode step reads every weight once, so weight bytes / copy bandwidth is the fastest a step
@@ -516,7 +411,7 @@ def int8_quality(target_name: str, n_texts: int, max_tokens: int = 400) -> dict:
 # -----------------------------------------------------------------------------
 # Report
 
-def plots(summary, quality, out_dir: Path, stem: str) -> list:
+def plots(summary, out_dir: Path, stem: str) -> list:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -549,31 +444,12 @@ def plots(summary, quality, out_dir: Path, stem: str) -> list:
         fig.tight_layout()
         written.append(out_dir / f"{stem}-acceptance-by-position.png")
         fig.savefig(written[-1], dpi=120)
-    for task, results in (quality or {}).items():  # block efficiency versus quality: one curve per verifier
-        fig, ax = plt.subplots(figsize=(6, 4))
-        curves = {}
-        for label, r in results.items():
-            curves.setdefault(label.split()[0] if label != "plain sampling" else label, []).append(r)
-        for name, rs in curves.items():
-            rs = sorted(rs, key=lambda r: r["block_efficiency"])
-            ax.errorbar([r["block_efficiency"] for r in rs], [r["accuracy"] for r in rs],
-                        yerr=[[r["accuracy"] - r["ci95"][0] for r in rs],
-                              [r["ci95"][1] - r["accuracy"] for r in rs]],
-                        fmt="o-" if len(rs) > 1 else "s", capsize=3, alpha=0.8,
-                        label=f"{name} ({rs[0]['family']})")
-        ax.set_xlabel("block efficiency (tokens per target forward)")
-        ax.set_ylabel("accuracy" if task == "gsm8k" else "pass@1")
-        ax.set_title(task)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out_dir / f"{stem}-{task}-tradeoff.png")
-        fig.savefig(written[-1], dpi=120)
     plt.close("all")
     return written
 
 
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(description="Speculative decoding benchmark: speed and quality.",
+    ap = argparse.ArgumentParser(description="Speculative decoding benchmark: speed, side by side.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--target", default=M.DEFAULT_TARGET,
                     help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
@@ -602,13 +478,6 @@ def get_args(argv=None):
     ap.add_argument("--peers", action="store_true",
                     help="also run transformers' generate and assisted lookup")
     ap.add_argument("--speed-off", action="store_true", help="skip the speed runs")
-    ap.add_argument("--quality", default="", help="comma-separated quality tasks: gsm8k, humaneval")
-    ap.add_argument("--quality-limit", type=int, default=20, help="problems per quality task")
-    ap.add_argument("--quality-draft", default=None,
-                    help="draft for the quality sweep; the first of --drafts when omitted")
-    ap.add_argument("--quality-temperature", type=float, default=1.0,
-                    help="sampling temperature of the sweep")
-    ap.add_argument("--quality-max-new-tokens", type=int, default=256, help="answer length limit per problem")
     ap.add_argument("--dtype", default=None, choices=("int8", "float32", "bfloat16", "float16"),
                     help="the target's weights, as decode.py's --dtype (default: float32 on CPU, bfloat16 on "
                          "CUDA)")
@@ -644,8 +513,8 @@ def check_and_complete(ap, args):
     if args.quick:
         args.limit, args.max_new_tokens, args.warmup = 1, 16, 0
         args.categories = args.categories or "writing,translation"
-    if min(args.num_draft_tokens, args.max_new_tokens, args.limit, args.quality_limit) < 1:
-        ap.error("-k, --max-new-tokens, --limit and --quality-limit must be >= 1")
+    if min(args.num_draft_tokens, args.max_new_tokens, args.limit) < 1:
+        ap.error("-k, --max-new-tokens and --limit must be >= 1")
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.verifiers = args.verifiers.split(",")
     args.drafts = [d for d in args.drafts.split(",") if d]
@@ -653,9 +522,6 @@ def check_and_complete(ap, args):
     if args.paired and (len(args.paired) != 2 or any(d not in args.drafts for d in args.paired)):
         ap.error("--paired takes two of the --drafts, comma-separated")
     args.categories = args.categories.split(",") if args.categories else None
-    args.quality = [t for t in args.quality.split(",") if t]
-    if any(t not in ("gsm8k", "humaneval") for t in args.quality):
-        ap.error("--quality takes gsm8k and/or humaneval")
     args.compile = wants_compile(args.compile, args.device)
     table = {"auto": "qwen3-4b,llama-3.1-8b" if args.device.startswith("cuda") else "", "none": ""}
     args.decode_table = [n for n in table.get(args.decode_table, args.decode_table).split(",") if n]
@@ -663,7 +529,6 @@ def check_and_complete(ap, args):
         ap.error(f"--decode-table takes shapes from {', '.join(SHAPES)}")
     args.decode_table_compile = (False, True) if args.decode_table_compile == "both" or (
         args.decode_table_compile == "auto" and args.device.startswith("cuda")) else (False,)
-    args.quality_draft = args.quality_draft or (args.drafts[0] if args.drafts else "lookup")
     for name in args.verifiers:
         Verifier(name)  # unknown names fail before anything loads
     if not args.speed_off and not repo_path(args.prompt_file).is_file():
@@ -672,13 +537,6 @@ def check_and_complete(ap, args):
     problem = unwritable(args.out)
     if problem:
         ap.error(f"cannot write --out {args.out}: {problem}")
-    if "humaneval" in args.quality:
-        try:
-            check_sandbox()
-        except SandboxError as e:
-            ap.error(str(e))
-
-
 def unwritable(path: Path) -> str | None:
     """Why results could not be written to `path`, checked before the hours of work; None if they can."""
     if path.is_dir():
@@ -718,7 +576,7 @@ def shown(value):
     return value
 
 
-def print_report(args, summary: dict, quality: dict, table: list):
+def print_report(args, summary: dict, table: list):
     """The results as markdown tables on stdout."""
     print(f"\n{args.target} on {args.device} ({torch.get_num_threads()} threads), k={args.num_draft_tokens}, "
           f"{args.max_new_tokens} new tokens max\n")
@@ -732,13 +590,6 @@ def print_report(args, summary: dict, quality: dict, table: list):
             print(f"| {name} | {tau} | {s['tokens_per_s_median']:.1f} | {s['speedup_median']:.2f}x "
                   f"({lo:.2f}-{hi:.2f}) | {100 * s['draft_time_fraction']:.0f}% | "
                   f"{s['peak_memory_mb']:.0f} MiB |")
-    for task, results in quality.items():
-        print(f"\n{task}, T={args.quality_temperature:g}, draft {draft_label(args.quality_draft)}\n")
-        print("| verifier | family | block efficiency (tau) | accuracy | 95% CI | n |")
-        print("|---|---|---|---|---|---|")
-        for label, r in results.items():
-            print(f"| {label} | {r['family']} | {r['block_efficiency']:.2f} | {r['accuracy']:.3f} | "
-                  f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | {r['n']} |")
     if table:
         print(f"\ndecode speed, random weights, copy bandwidth "
               f"{table[0]['bandwidth_gb_s']:.0f} GB/s\n")
@@ -759,25 +610,22 @@ def main(argv=None):
     if args.device == "cpu":
         torch.set_num_threads(pick_threads(args.threads))
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    summary, records, quality, paired = {}, {}, {}, {}
-    if not args.speed_off or args.quality:
+    summary, records, paired = {}, {}, {}
+    if not args.speed_off:
         weights = target_weights(args.dtype, args.device, args.compile)
         target, tokenizer = load_target(args.target, args.device, weights, 4096)
         args.step_fn = compile_step(target) if args.compile else None
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        if not args.speed_off:
-            records, temperatures = speed_runs(args, target, tokenizer, generator)
-            summary = summarize(records, temperatures)
-            paired = paired_runs(args, records, temperatures)
-        if args.quality:
-            quality = quality_runs(args, target, tokenizer, generator)
+        records, temperatures = speed_runs(args, target, tokenizer, generator)
+        summary = summarize(records, temperatures)
+        paired = paired_runs(args, records, temperatures)
         del target
         args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
     table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile,
                                int8=args.device == "cpu",
                                verify_k=sorted({3, 5, 7, args.num_draft_tokens})) if args.decode_table else []
     int8_check = int8_quality(args.target, args.int8_quality) if args.int8_quality else {}
-    print_report(args, summary, quality, table)
+    print_report(args, summary, table)
     for name, r in paired.items():
         print(f"\n{name} on {r['prompts']} prompts: tau ratio {r['tau']['ratio']:.3f} (95% CI "
               f"{r['tau']['ci95'][0]:.3f}-{r['tau']['ci95'][1]:.3f}), "
@@ -792,7 +640,7 @@ def main(argv=None):
                             cwd=ROOT).stdout.strip()
     out = args.out
     try:
-        images = plots(summary, quality, out.parent, out.stem)
+        images = plots(summary, out.parent, out.stem)
     except OSError as e:  # the numbers matter more than the pictures: keep going to write them
         print(f"warning: could not write the plots beside {out} ({e.strerror or e})", file=sys.stderr)
         images = []
@@ -802,7 +650,7 @@ def main(argv=None):
                    "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
                    "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                    "python": platform.python_version()},
-        "speed": summary, "paired": paired, "quality": quality, "decode_table": table,
+        "speed": summary, "paired": paired, "decode_table": table,
         "int8_quality": int8_check,
         "plots": [shown(p) for p in images],
         "runs": records,  # every run on every prompt, its tokens included
@@ -814,8 +662,6 @@ def main(argv=None):
     print(json.dumps({"results": str(out), "best": best, "best_speedup": speedups.get(best),
                       "tokens_per_s": {n: s["tokens_per_s_median"] for n, s in summary.items()},
                       "tau": {n: s["tau"] for n, s in summary.items() if s["tau"]},
-                      "quality": {t: {lb: r["accuracy"] for lb, r in rs.items()}
-                                  for t, rs in quality.items()},
                       "decode_tokens_per_s": {f"{r['target']} {r['dtype']} {r['compile_mode'] or 'eager'}":
                                               r["tokens_per_s"] for r in table}}))
 

@@ -121,10 +121,12 @@ class Stats:
 
 
 def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, stats: Stats, device,
-                     temperature: float = 0.0, top_p: float = 1.0, generator=None):
+                     temperature: float = 0.0, top_p: float = 1.0, generator=None, on_verify=None):
     """The algorithm: the draft guesses k tokens; one target forward scores the last committed
     token and the k guesses at positions [L-1, L+k-1]; the verifier keeps n guesses and adds one
-    token of its own. Returns the n + 1 new tokens, n, and the target's hidden states there."""
+    token of its own. Returns the n + 1 new tokens, n, and the target's hidden states there.
+    on_verify(p, q, guesses, n), when given, sees what the verifier saw (lossy.py measures the
+    distortion of each committed token from it)."""
     guesses, q = torch.tensor([], dtype=torch.long), None
     if k > 0:  # (plain decoding pays no timing and no GPU sync here)
         t0 = time.perf_counter()
@@ -135,17 +137,20 @@ def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, stat
     positions = torch.arange(len(seq) - 1, len(seq) + len(guesses), device=device)
     logits, hidden = step_fn(x, positions, hidden_layers=draft.target_layers)
     p = probs_from_logits(logits[0], temperature, top_p)  # (n_guesses + 1, V)
-    n, next_token = verify(p[None], None if q is None else q.to(device)[None], guesses.to(device)[None],
-                           verifier, generator)
+    q = None if q is None else q.to(device)
+    n, next_token = verify(p[None], None if q is None else q[None], guesses.to(device)[None], verifier,
+                           generator)
     n = int(n)  # the one host sync of the step
     stats.count(k, len(guesses), n)
+    if on_verify is not None:
+        on_verify(p, q, guesses, n)
     return guesses[:n].tolist() + [int(next_token)], n, hidden
 
 
 @torch.no_grad()
 def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier("greedy"), k: int = 0,
              max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, stop_ids=(),
-             generator: torch.Generator | None = None, on_tokens=None, step_fn=None) -> dict:
+             generator: torch.Generator | None = None, on_tokens=None, step_fn=None, on_verify=None) -> dict:
     """Generate up to max_new_tokens tokens after prompt_ids, speculatively when a draft is given
     (plain decoding is the case of no draft, k = 0). Returns the new ids and statistics: tau (new
     tokens per target forward, bonus included), forwards, per-position acceptance."""
@@ -172,7 +177,8 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier = Verifier
         # guesses past the token budget are wasted; a DFlash block holds at most block_size - 1
         budget = min(k, max_new_tokens - len(new) - 1, getattr(draft, "max_tokens", k))
         out, n, hidden = speculative_step(step_fn, seq, draft, budget, verifier, stats, device,
-                                          temperature=temperature, top_p=top_p, generator=generator)
+                                          temperature=temperature, top_p=top_p, generator=generator,
+                                          on_verify=on_verify)
         # a stop token, even inside a kept block, ends generation there
         stop = next((j for j, t in enumerate(out) if t in stop_ids), None)
         out = out[:min(len(out) if stop is None else stop + 1, max_new_tokens - len(new))]

@@ -105,6 +105,17 @@ def allowed_set(p: torch.Tensor, v: Verifier) -> torch.Tensor:
     return allowed | (p == top)
 
 
+def own_distribution(p: torch.Tensor, v: Verifier) -> torch.Tensor:
+    """What the verifier draws from when no drafted token is at stake: the bonus token after a
+    fully kept block, and every token of plain decoding. (..., V) -> (..., V)."""
+    if v.name == "greedy":
+        return torch.zeros_like(p).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)
+    if v.family == "truncation":  # min-p and eta sampling: p restricted to the allowed set
+        kept = p * allowed_set(p, v)
+        return kept / kept.sum(-1, keepdim=True)
+    return p
+
+
 def accept_target(p_x: torch.Tensor, q_x: torch.Tensor, v: Verifier) -> torch.Tensor:
     """Collaborative and lossless rules accept x with min(1, t(x) / q(x)); this is t."""
     if v.name == "lossless":
@@ -134,6 +145,9 @@ def verify(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor, 
     """Returns (n_accepted (B,), next_token (B,)). p (B, k+1, V), q (B, k, V) or None, draft (B, k)."""
     B, k = draft_tokens.shape
     rows = torch.arange(B, device=p.device)
+    # every sampling rule draws the same uniforms, used or not, so that runs of different verifiers
+    # from one seed consume the same random numbers and stay coupled until their tokens differ
+    u = torch.rand(B, k, generator=generator, device=p.device) if k > 0 and v.name != "greedy" else None
     if k == 0:  # plain decoding: no draft, the next token comes straight from p
         accepted = torch.zeros(B, 0, dtype=torch.bool, device=p.device)
     elif v.name == "greedy":
@@ -143,7 +157,6 @@ def verify(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor, 
     else:
         p_x = p[:, :k].gather(-1, draft_tokens[..., None])[..., 0]  # (B, k)
         q_x = torch.ones_like(p_x) if q is None else q.gather(-1, draft_tokens[..., None])[..., 0]
-        u = torch.rand(B, k, generator=generator, device=p.device)
         accepted = u < (accept_target(p_x, q_x, v) / q_x).clamp(max=1.0)
     n = accepted.long().cumprod(-1).sum(-1)  # (B,) length of the all-accepted prefix
 
@@ -152,8 +165,7 @@ def verify(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor, 
     if v.name == "greedy":
         return n, p_n.argmax(-1)
     if v.family == "truncation":  # correction and bonus alike: p restricted to the allowed set
-        truncated = p_n * allowed_set(p_n, v)
-        return n, torch.multinomial(truncated / truncated.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+        return n, torch.multinomial(own_distribution(p_n, v), 1, generator=generator)[:, 0]
     rejected = (n < k)[:, None]
     if k > 0:
         n_clamped = n.clamp(max=k - 1)
@@ -184,12 +196,11 @@ def induced(p: torch.Tensor, q: torch.Tensor, v: Verifier) -> torch.Tensor:
                   (q > p, so r = 0 there) gets min(q, m, c p) <= c p; the rest is refilled from r
     A deterministic draft proposing x is the case q = one-hot(x)."""
     if v.name == "greedy":
-        return torch.zeros_like(p).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)
+        return own_distribution(p, v)
     if v.family == "truncation":
         allowed = allowed_set(p, v)
-        p_allowed = p * allowed / (p * allowed).sum(-1, keepdim=True)
         q_in = (q * allowed).sum(-1, keepdim=True)
-        return q * allowed + (1 - q_in) * p_allowed
+        return q * allowed + (1 - q_in) * own_distribution(p, v)
     kept = torch.minimum(q, accept_target(p, q, v))
     return kept + (1 - kept.sum(-1, keepdim=True)).clamp_min(0) * residual(p, q)
 

@@ -1,5 +1,4 @@
-"""bench.py: the quick run is internally consistent; the quality graders grade correctly."""
-import gzip
+"""bench.py: the quick run is internally consistent; the decode table and paired ratios are right."""
 import json
 import statistics
 import subprocess
@@ -8,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_bwrap
 
 import bench
 import model as M
@@ -48,32 +46,6 @@ def test_quick_run_is_consistent(tmp_path):
     assert len(result["config"]["git_commit"]) == 40 and result["config"]["torch"] == torch.__version__
     # results name files relative to the repository, never this machine's folders
     assert str(ROOT) not in out.read_text() and result["config"]["prompt_file"] == "data/spec_bench_questions.jsonl"
-
-
-def test_gsm8k_grader():
-    assert bench.gsm8k_correct("So she pays 3 * 6 = 18 dollars. The answer is 18.", "18")
-    assert bench.gsm8k_correct("Total: 1,234 apples", "1234")
-    assert not bench.gsm8k_correct("The answer is 17.", "18")
-    assert not bench.gsm8k_correct("no numbers here", "18")
-
-
-@needs_bwrap
-def test_humaneval_grader_runs_tests_in_the_sandbox():
-    with gzip.open(bench.DATA / "HumanEval.jsonl.gz", "rt") as f:
-        row = json.loads(f.readline())
-    problem = bench.humaneval_problems(1)[0]
-    assert problem["entry_point"] == row["entry_point"]
-    assert bench.humaneval_passes(problem, f"```python\n{row['canonical_solution']}```")  # a body only
-    whole = row["prompt"] + row["canonical_solution"]
-    assert bench.humaneval_passes(problem, f"Here it is:\n```python\n{whole}\n```")
-    assert not bench.humaneval_passes(problem, "```python\n    return None\n```")
-    assert not bench.humaneval_passes(problem, "```python\n    while True: pass\n```", timeout=2)
-
-
-def test_wilson_interval():
-    lo, hi = bench.wilson(50, 100)
-    assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
-    assert bench.wilson(0, 10)[0] == 0.0 and bench.wilson(10, 10)[1] == 1.0
 
 
 def test_named_shapes_have_the_published_parameter_counts():
@@ -118,29 +90,6 @@ def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, com
     norms = 2 * (2 * d + 2 * hd) + d
     assert rows[1]["weight_gb_per_step"] * 1e9 == (floats - norms) + 4 * norms
 
-
-@needs_bwrap
-def test_quality_sweep_is_consistent(tmp_path):
-    out = tmp_path / "quality.json"
-    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--speed-off", "--quality", "gsm8k,humaneval",
-                        "--quality-limit", "2", "--quality-max-new-tokens", "8", "--quality-draft", "lookup",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    quality = json.loads(out.read_text())["quality"]
-    assert json.loads(r.stdout.strip().splitlines()[-1])["quality"] == \
-        {t: {label: res["accuracy"] for label, res in rs.items()} for t, rs in quality.items()}
-    for task, results in quality.items():
-        assert set(results) == {"plain sampling"} | {" ".join([n] + [f"{k}={v:g}" for k, v in p.items()])
-                                                      for n, p in bench.SWEEP}
-        for label, res in results.items():
-            rows = res["per_problem"]
-            assert res["n"] == len(rows) == 2
-            assert res["accuracy"] == sum(x["correct"] for x in rows) / 2
-            assert tuple(res["ci95"]) == bench.wilson(sum(x["correct"] for x in rows), 2)
-            assert res["block_efficiency"] == pytest.approx(sum(x["new_tokens"] for x in rows) /
-                                                            sum(x["target_forwards"] for x in rows))
-            assert all(x["new_tokens"] <= 8 for x in rows)
-        assert results["plain sampling"]["block_efficiency"] == 1.0
 
 
 def run_bench(*argv, timeout=120):

@@ -1,0 +1,614 @@
+"""
+The lossy-verification experiment: what each lossy verifier buys in block efficiency (tokens per
+target forward) and what it costs, in task accuracy and in distortion of the target's distribution,
+with every verifier run on the same problems from the same random seed so that their differences
+are measured paired.
+
+Tasks. Graded arithmetic by default ("What is a + b? Reply with the number only.", four levels from
+one-digit sums to two-digit ones, generated from a fixed seed), on which the default 135M target
+scores well above zero; GSM8K (exact match) and HumanEval (pass@1, run in sandbox.py's isolation)
+are the hard end, for a real target on a GPU.
+
+Pairing. Each problem has its own seed, and every configuration restarts the sampler from it. The
+draft and every sampling rule draw the same random numbers whatever they decide (verify.py), so two
+verifiers produce the same tokens until the first token where their rules differ: most problems
+come out the same under both, and a paired test (McNemar's) on the problems where they differ
+separates a few points of accuracy with far fewer problems than two independent runs would need.
+
+Distortion. At every committed token the verifier's one-step output distribution is known in
+closed form (verify.induced for a drafted position, verify.own_distribution for a bonus token), so
+the run reports its total-variation distance and KL divergence from the target's p, averaged over
+the tokens of the real trajectories. This separates verifiers even where accuracy cannot.
+
+    python lossy.py                              # graded arithmetic, default target, ~1 h on 2 cores
+    python lossy.py --problems 600               # 5-point power (README), ~4 h; rerun to continue
+    python lossy.py --tasks gsm8k,humaneval --target qwen3-4b --draft eagle3:PATH --temperature 1
+
+Each finished problem is appended to OUT.problems.jsonl, so an interrupted run continues where it
+stopped when rerun with the same arguments (a larger --problems extends it). At the end: markdown tables on stdout, every problem's
+outcome in OUT (JSON), the figures beside it, and one JSON line of headline figures.
+"""
+import argparse
+import gzip
+import json
+import math
+import multiprocessing
+import random
+import re
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import model as M
+from bench import shown, unwritable, write_results
+from decode import (DEFAULT_DRAFTS, build_draft, default_device, generate, load_target, pick_threads, read_jsonl,
+                    repo_path, target_weights)
+from sandbox import SandboxError, check_sandbox, run_untrusted
+from verify import Verifier, induced, own_distribution
+
+ROOT = Path(__file__).resolve().parent
+DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
+GSM8K_DRAFT = ROOT / "drafts" / "smollm2-135m-eagle3-gsm8k"  # the strongest draft for answers with numbers
+
+# The sweep: at least four settings per lossy family, from near the target to lenient, next to
+# lossless speculative sampling and plain sampling (the two exact references).
+SWEEP = [("plain sampling", None)] + [(None, Verifier("lossless"))] + \
+        [(None, Verifier("minp", p_base=v)) for v in (0.3, 0.1, 0.05, 0.02)] + \
+        [(None, Verifier("eta", eps=v)) for v in (3e-4, 0.01, 0.09, 0.3)] + \
+        [(None, Verifier("cos", lam=v)) for v in (0.9, 0.75, 0.5, 0.25)] + \
+        [(None, Verifier("lenience", lenience=v)) for v in (0.9, 0.75, 0.5, 0.25)] + \
+        [(None, Verifier("overshoot", lam=lam, ceiling=c)) for lam in (0.5, 0.25) for c in (2.0, 4.0)]
+PARAMETER = {"minp": "p_base", "eta": "eps", "cos": "lam", "lenience": "lenience"}
+
+
+def config_label(verifier: Verifier | None) -> str:
+    if verifier is None:
+        return "plain sampling"
+    if verifier.name == "overshoot":
+        return f"overshoot lam={verifier.lam:g} c={verifier.ceiling:g}"
+    name = PARAMETER.get(verifier.name)
+    return verifier.name + (f" {name}={getattr(verifier, name):g}" if name else "")
+
+
+CONFIGS = {config_label(v): v for _, v in SWEEP}
+
+
+# -----------------------------------------------------------------------------
+# Tasks
+
+# Levels of "What is a + b?", easiest first. Measured with plain sampling of the default target at
+# T = 0.5 while choosing them (48 problems each): about 60%, 38%, 21% and 12% correct. At T = 1 the
+# 135M target is right on one-digit sums only 12-33% of the time (README), hence T = 0.5.
+LEVELS = {
+    "1-digit + 1-digit": lambda rng: (rng.randint(1, 9), rng.randint(1, 9)),
+    "tens + tens": lambda rng: (10 * rng.randint(1, 9), 10 * rng.randint(1, 9)),
+    "2-digit + 1": lambda rng: (rng.randint(10, 99), 1),
+    "2-digit + 2-digit": lambda rng: (rng.randint(10, 99), rng.randint(10, 99)),
+}
+
+
+def arithmetic_problems(n: int, seed: int = 0) -> list:
+    """n problems per level, the same ones for a given seed on every machine and Python version."""
+    problems = []
+    for level, operands in LEVELS.items():
+        rng = random.Random(f"arithmetic:{seed}:{level}")  # str seeds hash the same everywhere
+        for i in range(n):
+            a, b = operands(rng)
+            problems.append({"id": f"{level} #{i}", "level": level, "answer": str(a + b),
+                             "prompt": f"What is {a} + {b}? Reply with the number only."})
+    return problems
+
+
+def gsm8k_problems(n: int) -> list:
+    rows = [r for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")][:n]
+    return [{"id": f"gsm8k #{i}", "level": "gsm8k",
+             "prompt": r["question"] + "\nSolve it step by step and end with 'The answer is N.'",
+             "answer": r["answer"].split("####")[-1].strip().replace(",", "")} for i, r in enumerate(rows)]
+
+
+def last_number_correct(text: str, answer: str) -> bool:
+    """The last number in the response against the reference (GSM8K's rule, and arithmetic's)."""
+    numbers = re.findall(r"-?\d[\d,]*\.?\d*", text)
+    if not numbers:
+        return False
+    try:
+        return abs(float(numbers[-1].replace(",", "").rstrip(".")) - float(answer)) < 1e-6
+    except ValueError:
+        return False
+
+
+def humaneval_problems(n: int) -> list:
+    with gzip.open(DATA / "HumanEval.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f][:n]
+    ask = "Complete this Python function. Reply with the whole function in a ```python block.\n\n"
+    return [{"id": r["task_id"], "level": "humaneval", "prompt": ask + f"```python\n{r['prompt']}```",
+             "code": r["prompt"], "test": r["test"], "entry_point": r["entry_point"]} for r in rows]
+
+
+def humaneval_passes(problem: dict, response: str, timeout: float = 10.0) -> bool:
+    """Run the answer against the problem's tests in the sandbox (sandbox.py: no network, no writes
+    outside its own directory, limited memory, processes and time)."""
+    blocks = re.findall(r"```(?:python)?\n(.*?)(?:```|$)", response, re.S)
+    code = blocks[0] if blocks else response
+    if f"def {problem['entry_point']}" not in code:  # a body only: complete the given signature
+        code = problem["code"] + code
+    else:  # keep the prompt's imports and helpers in front of the whole function
+        code = problem["code"].split(f"def {problem['entry_point']}")[0] + code
+    program = f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    return run_untrusted(program, timeout=timeout).returncode == 0
+
+
+def load_problems(tasks: list, n: int, seed: int) -> list:
+    problems = []
+    for task in tasks:
+        problems += {"arithmetic": lambda: arithmetic_problems(n, seed), "gsm8k": lambda: gsm8k_problems(n),
+                     "humaneval": lambda: humaneval_problems(n)}[task]()
+    return problems
+
+
+def correct(problem: dict, text: str) -> bool:
+    if problem["level"] == "humaneval":
+        return humaneval_passes(problem, text)
+    return last_number_correct(text, problem["answer"])
+
+
+# -----------------------------------------------------------------------------
+# Distortion along a trajectory
+
+class DistortionMeter:
+    """Passed to generate() as on_verify: the total-variation distance and KL(out || p) of each
+    committed token's one-step output distribution from the target's p."""
+
+    def __init__(self, verifier: Verifier):
+        self.verifier, self.tv, self.kl = verifier, [], []
+
+    def __call__(self, p, q, guesses, n):
+        # p (m + 1, V) the target at the m drafted positions and the bonus one; q (m, V) or None
+        m = len(guesses)
+        if q is None and m:  # a deterministic draft proposes its token with probability one
+            q = torch.zeros_like(p[:m]).scatter_(-1, guesses.to(p.device)[:, None], 1.0)
+        drafted = min(n + 1, m)  # the kept positions and, on a rejection, the corrected one
+        out = induced(p[:drafted], q[:drafted], self.verifier) if drafted else p[:0]
+        if n == m:  # every guess kept: a bonus token from the verifier's own distribution
+            out = torch.cat([out, own_distribution(p[m:m + 1], self.verifier)])
+        target = p[:n + 1].double()  # (n + 1, V): the committed tokens' positions
+        out = out.double()
+        self.tv += (0.5 * (out - target).abs().sum(-1)).tolist()
+        # 0 log 0 = 0; p underflowing to 0 where out > 0 would make KL infinite: floor it at 1e-30
+        log_ratio = torch.log(out.clamp_min(1e-300)) - torch.log(target.clamp_min(1e-30))
+        # (rounding can leave an exact rule's KL a hair below zero; it is zero)
+        self.kl += torch.where(out > 0, out * log_ratio, 0.0).sum(-1).clamp_min(0).tolist()
+
+    def per_token(self, n_tokens: int):
+        """Sums over the committed tokens (the last block may be cut at a stop token or the budget)."""
+        return sum(self.tv[:n_tokens]), sum(self.kl[:n_tokens])
+
+
+# -----------------------------------------------------------------------------
+# Running: every configuration on every problem, problems spread over worker processes
+
+def run_problem(problem: dict, target, tokenizer, draft, generator, args) -> dict:
+    """Every configuration on one problem, each restarted from the problem's seed."""
+    ids = tokenizer.encode_chat([{"role": "user", "content": problem["prompt"]}])
+    seed = zlib.crc32(f"{args.seed}:{problem['id']}".encode())
+    runs = {}
+    for label in args.configs:
+        verifier = CONFIGS[label]
+        generator.manual_seed(seed)
+        meter = DistortionMeter(verifier or Verifier("lossless"))
+        r = generate(target, ids, draft if verifier else None, verifier or Verifier("lossless"),
+                     k=args.num_draft_tokens if verifier else 0, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, stop_ids=tokenizer.stop_ids, generator=generator,
+                     on_verify=meter)
+        text = tokenizer.decode([t for t in r["tokens"] if t not in tokenizer.stop_ids])
+        tv, kl = meter.per_token(r["new_tokens"])
+        runs[label] = {"correct": correct(problem, text), "new_tokens": r["new_tokens"],
+                       "target_forwards": r["target_forwards"], "tv_sum": tv, "kl_sum": kl, "text": text}
+    return {"id": problem["id"], "level": problem["level"], "runs": runs}
+
+
+_worker = {}  # one per process: the target, tokenizer, draft and generator, loaded once
+
+
+def start_worker(args):
+    torch.set_num_threads(args.threads_per_worker)
+    target, tokenizer = load_target(args.target, args.device, target_weights(None, args.device, False),
+                                    args.max_seq_len)
+    generator = torch.Generator(device=args.device)
+    draft = build_draft(str(args.draft), target, tokenizer, temperature=args.temperature, generator=generator)
+    _worker.update(target=target, tokenizer=tokenizer, draft=draft, generator=generator, args=args)
+
+
+def work(problem: dict) -> dict:
+    w = _worker
+    return run_problem(problem, w["target"], w["tokenizer"], w["draft"], w["generator"], w["args"])
+
+
+def partial_path(out: Path) -> Path:
+    """Every finished problem, one line each, kept beside the results: a rerun with the same
+    settings continues from it, also with a larger --problems (the first problems stay the same)."""
+    return out.with_name(out.name + ".problems.jsonl")
+
+
+def read_partial(path: Path, fingerprint: dict) -> dict:
+    """The problems a previous run with the same configuration finished, by id."""
+    if not path.is_file():
+        return {}
+    lines = path.read_text().splitlines()
+    if not lines or json.loads(lines[0]) != {"config": fingerprint}:
+        raise ValueError(f"{path} holds a run with other settings; pass another --out, or delete it "
+                         f"to start over")
+    done = {}
+    for line in lines[1:]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the line being written when the run was stopped
+            continue
+        done[record["id"]] = record
+    return done
+
+
+def run_all(args, problems: list) -> list:
+    """Every problem, resuming from OUT.problems.jsonl; returns the records in problem order."""
+    fingerprint = {k: shown(v) for k, v in vars(args).items() if k in FINGERPRINT}
+    path = partial_path(args.out)
+    done = read_partial(path, fingerprint)
+    todo = [p for p in problems if p["id"] not in done]
+    if done:
+        print(f"resuming {path}: {len(problems) - len(todo)} of {len(problems)} problems done",
+              file=sys.stderr)
+    if todo:
+        if not path.is_file():
+            path.write_text(json.dumps({"config": fingerprint}) + "\n")
+        bar = tqdm(total=len(problems), initial=len(problems) - len(todo), desc="problems", file=sys.stderr)
+        with path.open("a") as log:
+            def keep(record):
+                done[record["id"]] = record
+                log.write(json.dumps(record) + "\n")  # one whole line per problem
+                log.flush()
+                bar.update()
+            if args.workers == 1:
+                start_worker(args)
+                for problem in todo:
+                    keep(work(problem))
+            else:  # spawn: a forked child would inherit the parent's OpenMP state
+                with multiprocessing.get_context("spawn").Pool(args.workers, start_worker, (args,)) as pool:
+                    for record in pool.imap_unordered(work, todo):
+                        keep(record)
+        bar.close()
+    return [done[p["id"]] for p in problems]
+
+
+FINGERPRINT = ("target", "draft", "tasks", "configs", "num_draft_tokens", "temperature",
+               "max_new_tokens", "seed")
+
+
+# -----------------------------------------------------------------------------
+# Statistics
+
+def wilson(successes: int, n: int, z: float = 1.96):
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar_p(only_a: int, only_b: int) -> float:
+    """Exact two-sided McNemar test: under no difference, each discordant problem is a fair coin."""
+    n, k = only_a + only_b, min(only_a, only_b)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired_difference(a: list, b: list, z: float = 1.96) -> dict:
+    """Accuracy of b minus accuracy of a on the same problems, with the Agresti-Min (2005) 95%
+    interval (the Wald interval of a paired difference with half a count added to each cell)."""
+    n = len(a)
+    only_a = sum(x and not y for x, y in zip(a, b))
+    only_b = sum(y and not x for x, y in zip(a, b))
+    diff = (only_b - only_a) / n
+    ca, cb, m = only_a + 0.5, only_b + 0.5, n + 2
+    half = z * math.sqrt(max(ca + cb - (cb - ca) ** 2 / m, 0.0)) / m
+    centre = (cb - ca) / m
+    return {"n": n, "difference": diff, "ci95": (centre - half, centre + half), "only_reference": only_a,
+            "only_this": only_b, "discordance": (only_a + only_b) / n, "mcnemar_p": mcnemar_p(only_a, only_b)}
+
+
+def problems_for_power(discordance: float, delta: float = 0.05, z_alpha: float = 1.96,
+                       z_power: float = 0.8416) -> int:
+    """Problems a paired test needs to detect an accuracy difference delta (two-sided 5%, 80% power)
+    when a fraction `discordance` of problems differ between the two runs (Connor 1987)."""
+    if discordance <= delta ** 2:
+        return 0
+    return math.ceil((z_alpha * math.sqrt(discordance) + z_power * math.sqrt(discordance - delta ** 2)) ** 2
+                     / delta ** 2)
+
+
+def summarize(records: list, configs: list) -> dict:
+    """Per level (and 'all'): each configuration's accuracy, block efficiency and distortion, and
+    its paired difference from lossless on the same problems."""
+    levels = list(dict.fromkeys(r["level"] for r in records))
+    out = {}
+    for level in levels + (["all"] if len(levels) > 1 else []):
+        rows = [r for r in records if level in ("all", r["level"])]
+        lossless = [r["runs"]["lossless"]["correct"] for r in rows] if "lossless" in configs else None
+        out[level] = {}
+        for label in configs:
+            runs = [r["runs"][label] for r in rows]
+            hits, tokens = sum(x["correct"] for x in runs), sum(x["new_tokens"] for x in runs)
+            s = {"n": len(runs), "accuracy": hits / len(runs), "ci95": wilson(hits, len(runs)),
+                 "block_efficiency": tokens / max(sum(x["target_forwards"] for x in runs), 1),
+                 "tv": sum(x["tv_sum"] for x in runs) / max(tokens, 1),
+                 "kl": sum(x["kl_sum"] for x in runs) / max(tokens, 1),
+                 "family": CONFIGS[label].family if CONFIGS[label] else "plain"}
+            if lossless is not None and label != "lossless":
+                s["vs_lossless"] = paired_difference(lossless, [x["correct"] for x in runs])
+            out[level][label] = s
+    return out
+
+
+def power_note(summary: dict) -> dict:
+    """Per level: the median discordance with lossless over the lossy configurations, and what it
+    means: the problems needed for a 5-point difference, and the difference this run can detect."""
+    notes = {}
+    for level, rows in summary.items():
+        d = sorted(s["vs_lossless"]["discordance"] for label, s in rows.items()
+                   if "vs_lossless" in s and s["family"] not in ("plain", "exact"))
+        if not d or d[len(d) // 2] == 0:  # no disagreement seen: nothing to size a test with
+            continue
+        median, n = d[len(d) // 2], next(iter(rows.values()))["n"]
+        detectable = next((x / 100 for x in range(1, 101) if problems_for_power(median, x / 100) <= n), 1.0)
+        notes[level] = {"median_discordance": median, "problems": n,
+                        "problems_for_5_points": problems_for_power(median, 0.05),
+                        "detectable_difference": detectable}
+    return notes
+
+
+# -----------------------------------------------------------------------------
+# Figures: the paper's, in kind
+
+def plots(summary: dict, out_dir: Path, stem: str) -> list:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    levels = [lv for lv in summary if lv != "all"]
+    pooled = summary["all" if "all" in summary else levels[0]]
+    families = list(dict.fromkeys(label.split()[0] for label in pooled if label.split()[0] in
+                                  ("minp", "eta", "cos", "lenience", "overshoot")))
+
+    def save(fig, name):
+        fig.tight_layout()
+        written.append(out_dir / f"{stem}-{name}.png")
+        fig.savefig(written[-1], dpi=120)
+
+    def references(ax, x_of):  # lossless and plain sampling on every panel
+        for label, style in (("lossless", "k-"), ("plain sampling", "k:")):
+            if label in pooled:
+                ax.plot(*x_of(label), style, lw=1.5, label=label)
+
+    if len(levels) > 1 and families:  # Figure 1: accuracy against difficulty
+        fig, axes = plt.subplots(1, len(families), figsize=(3.3 * len(families), 3.6), sharey=True, squeeze=False)
+        for ax, family in zip(axes[0], families):
+            references(ax, lambda lb: (range(len(levels)), [summary[lv][lb]["accuracy"] for lv in levels]))
+            for label in (lb for lb in pooled if lb.split()[0] == family):
+                ax.plot(range(len(levels)), [summary[lv][label]["accuracy"] for lv in levels], "o-", ms=3,
+                        label=label.removeprefix(family + " "))
+            ax.set_xticks(range(len(levels)), levels, rotation=30, ha="right", fontsize=7)
+            ax.set_title(family)
+            ax.legend(fontsize=6)
+        axes[0, 0].set_ylabel("accuracy")
+        save(fig, "accuracy-by-level")
+
+    # Figure 3: block efficiency against accuracy, one curve per family, all levels pooled
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for group in curves(pooled, ["lossless", "plain"] + families):
+        errorbar(ax, sorted((s for lb, s in pooled.items() if lb == group or lb.startswith(group + " ")),
+                            key=lambda s: s["block_efficiency"]), group)
+    ax.set_xlabel("block efficiency (tokens per target forward)")
+    ax.set_ylabel("accuracy (all levels)")
+    ax.legend(fontsize=7)
+    save(fig, "tradeoff")
+
+    truncation = [f for f in families if f in ("minp", "eta")]
+    if truncation:  # Figure 5: truncation block efficiency against its parameter, per level
+        fig, axes = plt.subplots(1, len(truncation), figsize=(4.2 * len(truncation), 3.6), squeeze=False)
+        for ax, family in zip(axes[0], truncation):
+            labels = sorted((lb for lb in pooled if lb.split()[0] == family),
+                            key=lambda lb: getattr(CONFIGS[lb], PARAMETER[family]))
+            xs = [getattr(CONFIGS[lb], PARAMETER[family]) for lb in labels]
+            for level in levels + (["all"] if "all" in summary else []):
+                ax.plot(xs, [summary[level][lb]["block_efficiency"] for lb in labels], "o-", ms=3, label=level,
+                        lw=2.5 if level == "all" else 1)
+            if "lossless" in pooled:
+                ax.axhline(pooled["lossless"]["block_efficiency"], color="k", lw=1, label="lossless (all)")
+            ax.set_xscale("log")
+            ax.set_xlabel(PARAMETER[family])
+            ax.set_ylabel("block efficiency")
+            ax.set_title(family)
+            ax.legend(fontsize=6)
+        save(fig, "truncation-efficiency")
+
+    # distortion against block efficiency: the price of each token gained, per family
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for group in curves(pooled, families):
+        rs = sorted((s for lb, s in pooled.items() if lb.startswith(group + " ")), key=lambda s: s["block_efficiency"])
+        ax.plot([s["block_efficiency"] for s in rs], [s["tv"] for s in rs], "o-", ms=3, label=group)
+    if "lossless" in pooled:
+        ax.plot(pooled["lossless"]["block_efficiency"], pooled["lossless"]["tv"], "ks", label="lossless")
+    ax.set_xlabel("block efficiency (tokens per target forward)")
+    ax.set_ylabel("mean total variation from p per token")
+    ax.legend(fontsize=7)
+    save(fig, "distortion")
+    plt.close("all")
+    return written
+
+
+def curves(pooled: dict, families: list) -> list:
+    """The curves of a figure: a family's settings joined, overshoot's once per lam ('plain' is the
+    plain-sampling point, 'lossless' the lossless one)."""
+    groups = [lb.rsplit(" ", 1)[0] if lb.startswith("overshoot") else lb.split()[0] for lb in pooled]
+    return [g for g in dict.fromkeys(groups) if g.split()[0] in families]
+
+
+def errorbar(ax, rows: list, label: str):
+    ax.errorbar([s["block_efficiency"] for s in rows], [s["accuracy"] for s in rows],
+                yerr=[[s["accuracy"] - s["ci95"][0] for s in rows], [s["ci95"][1] - s["accuracy"] for s in rows]],
+                fmt="o-" if len(rows) > 1 else "s", ms=4, capsize=2, alpha=0.85, label=label)
+
+
+# -----------------------------------------------------------------------------
+# Report
+
+def print_report(args, summary: dict, power: dict):
+    levels = [lv for lv in summary if lv != "all"]
+    pooled = summary["all" if "all" in summary else levels[0]]
+    print(f"\n{args.target}, draft {shown(args.draft)}, k={args.num_draft_tokens}, T={args.temperature:g}, "
+          f"{pooled[next(iter(pooled))]['n']} problems ({args.problems} per level)\n")
+    print("| configuration | family | block efficiency | accuracy (95% CI) | vs lossless (95% CI) | McNemar p "
+          "| TV per token | KL per token |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, s in pooled.items():
+        vs = s.get("vs_lossless")
+        diff = f"{100 * vs['difference']:+.1f} ({100 * vs['ci95'][0]:+.1f}, {100 * vs['ci95'][1]:+.1f})" if vs else "-"
+        p = f"{vs['mcnemar_p']:.3f}" if vs else "-"
+        print(f"| {label} | {s['family']} | {s['block_efficiency']:.2f} | {100 * s['accuracy']:.1f} "
+              f"({100 * s['ci95'][0]:.1f}-{100 * s['ci95'][1]:.1f}) | {diff} | {p} | {s['tv']:.4f} | "
+              f"{s['kl']:.4f} |")
+    if len(levels) > 1:
+        print("\naccuracy (%) per level; * where the paired 95% interval of the difference from lossless "
+              "excludes zero\n")
+        print("| configuration | " + " | ".join(levels) + " |")
+        print("|---|" + "---|" * len(levels))
+        for label in pooled:
+            cells = []
+            for level in levels:
+                s = summary[level][label]
+                vs = s.get("vs_lossless")
+                star = "*" if vs and (vs["ci95"][0] > 0 or vs["ci95"][1] < 0) else ""
+                cells.append(f"{100 * s['accuracy']:.0f}{star}")
+            print(f"| {label} | " + " | ".join(cells) + " |")
+    if power:
+        print("\npower: median share of problems on which a lossy configuration and lossless disagree\n")
+        print("| level | problems | discordance | problems for a 5-point difference | detectable now |")
+        print("|---|---|---|---|---|")
+        for level, note in power.items():
+            print(f"| {level} | {note['problems']} | {note['median_discordance']:.3f} | "
+                  f"{note['problems_for_5_points']} | {100 * note['detectable_difference']:.0f} points |")
+
+
+def get_args(argv=None):
+    ap = argparse.ArgumentParser(description="The lossy-verification experiment: block efficiency, accuracy "
+                                             "and distortion of every verifier, paired on the same problems.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--target", default=M.DEFAULT_TARGET,
+                    help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
+    ap.add_argument("--draft", default=None,
+                    help="the draft, as decode.py's --draft takes it; the in-domain GSM8K draft for the default "
+                         "target (prompt lookup is no fair draft for short answers)")
+    ap.add_argument("--tasks", default="arithmetic",
+                    help="comma-separated: arithmetic (graded levels), gsm8k, humaneval")
+    ap.add_argument("--problems", type=int, default=100, help="problems per arithmetic level, or per task")
+    ap.add_argument("--configs", default="all",
+                    help=f"comma-separated configurations from: {'; '.join(CONFIGS)} (all by default)")
+    ap.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="tokens drafted per target forward")
+    ap.add_argument("--temperature", type=float, default=0.5,
+                    help="sampling temperature (README: why not 1 on the 135M default)")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="answer length limit; 32 for arithmetic, 256 for gsm8k and humaneval")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the problems' samplers (and nothing else)")
+    ap.add_argument("--workers", default="auto",
+                    help="processes, one thread each; auto = one per idle core (on a CPU)")
+    ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 1 problem per level, 8 new tokens")
+    ap.add_argument("--out", default=None, help="JSON results path; results/lossy-<time>.json when omitted")
+    args = ap.parse_args(argv)
+    check_and_complete(ap, args)
+    return args
+
+
+def check_and_complete(ap, args):
+    """Refuse bad values in one line, before anything loads."""
+    if args.quick:
+        args.problems, args.max_new_tokens = 1, 8
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    if not args.tasks or any(t not in ("arithmetic", "gsm8k", "humaneval") for t in args.tasks):
+        ap.error("--tasks takes arithmetic, gsm8k and/or humaneval")
+    if args.problems < 1 or args.num_draft_tokens < 1:
+        ap.error("--problems and -k must be >= 1")
+    if not 0 < args.temperature <= 2:
+        ap.error(f"--temperature must lie in (0, 2]: lossy verifiers act on sampling, got {args.temperature}")
+    args.configs = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",")]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configuration {unknown[0]!r}; choose from: {'; '.join(CONFIGS)}")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 32 if args.tasks == ["arithmetic"] else 256
+    if args.max_new_tokens < 1:
+        ap.error("--max-new-tokens must be >= 1")
+    if args.draft is None:
+        args.draft = GSM8K_DRAFT if args.target == M.DEFAULT_TARGET and GSM8K_DRAFT.is_dir() else \
+            DEFAULT_DRAFTS.get(args.target)
+        if args.draft is None:
+            ap.error(f"no committed draft for {args.target}: pass --draft")
+    elif Path(args.draft).is_dir() or ":" not in args.draft and args.draft != "lookup" and repo_path(args.draft).is_dir():
+        args.draft = repo_path(args.draft)
+    if args.workers == "auto":
+        args.workers = 1 if args.device != "cpu" else pick_threads("auto")
+    elif not (args.workers.isdigit() and int(args.workers) >= 1):
+        ap.error(f"--workers takes auto or a whole number >= 1, got {args.workers}")
+    args.workers = int(args.workers)
+    args.threads_per_worker = 1 if args.workers > 1 else pick_threads("auto")
+    args.max_seq_len = 1024 if args.max_new_tokens <= 256 else 4096
+    args.out = Path(args.out or ROOT / "results" / f"lossy-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    problem = unwritable(args.out)
+    if problem:
+        ap.error(f"cannot write --out {args.out}: {problem}")
+    if "humaneval" in args.tasks:
+        try:
+            check_sandbox()
+        except SandboxError as e:
+            ap.error(str(e))
+
+
+def main(argv=None):
+    args = get_args(argv)
+    problems = load_problems(args.tasks, args.problems, args.seed)
+    t0 = time.time()
+    records = run_all(args, problems)
+    summary = summarize(records, args.configs)
+    power = power_note(summary) if "lossless" in args.configs else {}
+    print_report(args, summary, power)
+    out = args.out
+    try:
+        images = plots(summary, out.parent, out.stem)
+    except OSError as e:  # the numbers matter more than the pictures: keep going to write them
+        print(f"warning: could not write the figures beside {out} ({e.strerror or e})", file=sys.stderr)
+        images = []
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    result = {"config": {**{k: shown(v) for k, v in vars(args).items()}, "git_commit": commit or "unknown",
+                         "torch": torch.__version__, "seconds_this_run": round(time.time() - t0, 1)},
+              "summary": summary, "power": power, "plots": [shown(p) for p in images],
+              "problems": records}
+    out = write_results(out, result)
+    pooled = summary["all" if "all" in summary else next(iter(summary))]
+    print(json.dumps({"results": str(out), "accuracy": {lb: s["accuracy"] for lb, s in pooled.items()},
+                      "block_efficiency": {lb: s["block_efficiency"] for lb, s in pooled.items()},
+                      "tv": {lb: s["tv"] for lb, s in pooled.items()}}))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (M.CheckpointError, ValueError) as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,234 @@
+"""lossy.py: the tasks are fixed and graded right, the statistics are the textbook ones (checked by
+simulation), the distortion is the closed form's, one seed couples the verifiers, and a run is
+consistent, resumable and refuses to mix settings."""
+import gzip
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import needs_bwrap
+
+import lossy
+import model as M
+from decode import generate
+from draft import ModelDraft
+from verify import Verifier, induced, own_distribution, verify
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_arithmetic_problems_are_fixed_graded_levels():
+    problems = lossy.arithmetic_problems(5, seed=3)
+    assert problems == lossy.arithmetic_problems(5, seed=3)
+    assert problems != lossy.arithmetic_problems(5, seed=4)
+    # a larger run extends a smaller one: its first problems are the same, so it can resume from it
+    assert lossy.arithmetic_problems(3, seed=3) == [p for p in problems if int(p["id"].split("#")[1]) < 3]
+    assert [p["level"] for p in problems] == [lv for lv in lossy.LEVELS for _ in range(5)]
+    for p in problems:
+        a, b = map(int, re.match(r"What is (\d+) \+ (\d+)\?", p["prompt"]).groups())
+        assert p["answer"] == str(a + b)
+        digits = {"1-digit + 1-digit": (1, 1), "tens + tens": (2, 2), "2-digit + 1": (2, 1),
+                  "2-digit + 2-digit": (2, 2)}[p["level"]]
+        assert (len(str(a)), len(str(b))) == digits
+    assert len({p["id"] for p in problems}) == len(problems)
+
+
+def test_last_number_grader():
+    assert lossy.last_number_correct("So she pays 3 * 6 = 18 dollars. The answer is 18.", "18")
+    assert lossy.last_number_correct("Total: 1,234 apples", "1234")
+    assert lossy.last_number_correct("7 + 5 = 12", "12")
+    assert not lossy.last_number_correct("The answer is 17.", "18")
+    assert not lossy.last_number_correct("no numbers here", "18")
+
+
+@needs_bwrap
+def test_humaneval_grader_runs_tests_in_the_sandbox():
+    with gzip.open(lossy.DATA / "HumanEval.jsonl.gz", "rt") as f:
+        row = json.loads(f.readline())
+    problem = lossy.humaneval_problems(1)[0]
+    assert problem["entry_point"] == row["entry_point"]
+    assert lossy.humaneval_passes(problem, f"```python\n{row['canonical_solution']}```")  # a body only
+    whole = row["prompt"] + row["canonical_solution"]
+    assert lossy.humaneval_passes(problem, f"Here it is:\n```python\n{whole}\n```")
+    assert not lossy.humaneval_passes(problem, "```python\n    return None\n```")
+    assert not lossy.humaneval_passes(problem, "```python\n    while True: pass\n```", timeout=2)
+
+
+def test_wilson_interval():
+    lo, hi = lossy.wilson(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
+    assert lossy.wilson(0, 10)[0] == 0.0 and lossy.wilson(10, 10)[1] == 1.0
+
+
+def test_mcnemar_is_the_exact_binomial_test():
+    assert lossy.mcnemar_p(0, 10) == pytest.approx(2 / 1024)
+    assert lossy.mcnemar_p(7, 7) == 1.0 and lossy.mcnemar_p(0, 0) == 1.0
+    assert lossy.mcnemar_p(3, 12) == lossy.mcnemar_p(12, 3)
+    # P(X <= 3) for X ~ Binomial(15, 1/2), doubled
+    assert lossy.mcnemar_p(3, 12) == pytest.approx(2 * (1 + 15 + 105 + 455) / 2 ** 15)
+
+
+def simulate_pairs(n, only_a, only_b, rng):
+    """n problems: each correct under a only with probability only_a, under b only with only_b,
+    under both or neither (equally) otherwise."""
+    a, b = [], []
+    for _ in range(n):
+        u = rng.random()
+        if u < only_a:
+            a.append(True), b.append(False)
+        elif u < only_a + only_b:
+            a.append(False), b.append(True)
+        else:
+            both = rng.random() < 0.5
+            a.append(both), b.append(both)
+    return a, b
+
+
+def test_paired_interval_covers_the_true_difference_95_percent_of_the_time():
+    rng = random.Random(0)
+    only_a, only_b, n = 0.12, 0.06, 200  # a true difference of -6 points, 18% discordant
+    runs = [lossy.paired_difference(*simulate_pairs(n, only_a, only_b, rng)) for _ in range(1000)]
+    coverage = sum(r["ci95"][0] <= only_b - only_a <= r["ci95"][1] for r in runs) / len(runs)
+    assert 0.93 <= coverage <= 0.97
+    r = runs[0]
+    assert r["difference"] == (r["only_this"] - r["only_reference"]) / n
+    assert r["discordance"] == (r["only_this"] + r["only_reference"]) / n
+
+
+def test_problems_for_power_gives_80_percent_power():
+    d, delta = 0.2, 0.05
+    n = lossy.problems_for_power(d, delta)
+    assert 600 <= n <= 650  # Connor (1987): ((1.96 sqrt(.2) + 0.84 sqrt(.2 - .0025)) / .05)^2 = 626
+    rng = random.Random(1)
+    rejected = 0
+    for _ in range(400):
+        r = lossy.paired_difference(*simulate_pairs(n, (d + delta) / 2, (d - delta) / 2, rng))
+        rejected += r["mcnemar_p"] < 0.05
+    assert 0.72 <= rejected / 400 <= 0.88
+    assert lossy.problems_for_power(0.0, 0.05) == 0
+
+
+@pytest.mark.parametrize("name,params", [("lossless", {}), ("minp", {"p_base": 0.2}), ("eta", {"eps": 0.05}),
+                                         ("cos", {"lam": 0.5}), ("overshoot", {"lam": 0.25, "ceiling": 2.0})])
+def test_distortion_meter_is_the_closed_form_at_each_committed_token(name, params):
+    torch.manual_seed(0)
+    v = Verifier(name, **params)
+    p = torch.softmax(torch.randn(5, 11) * 2, -1)  # 4 drafted positions and the bonus one
+    q = torch.softmax(torch.randn(4, 11) * 2, -1)
+    guesses = q.argmax(-1)
+    for n in (0, 2, 4):  # a rejection at the first, at the third, and every guess kept
+        meter = lossy.DistortionMeter(v)
+        meter(p, q, guesses, n)
+        assert len(meter.tv) == len(meter.kl) == n + 1
+        for i in range(n + 1):
+            out = induced(p[i], q[i], v) if i < 4 else own_distribution(p[i], v)
+            assert meter.tv[i] == pytest.approx(0.5 * (out - p[i]).abs().sum().item(), abs=1e-6)
+            kl = (out * (out / p[i]).log()).nan_to_num().sum().item()
+            assert meter.kl[i] == pytest.approx(kl, abs=1e-5)
+        if name == "lossless":
+            assert max(meter.tv) < 1e-6
+        assert meter.per_token(2) == (pytest.approx(sum(meter.tv[:2])), pytest.approx(sum(meter.kl[:2])))
+
+
+def test_every_sampling_rule_draws_the_same_random_numbers():
+    """What couples runs of different verifiers from one seed: after verifying the same block, the
+    generator is in the same state whatever the rule decided."""
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(1, 5, 50), -1)
+    q = torch.softmax(torch.randn(1, 4, 50), -1)
+    guesses = q[0].argmax(-1)[None]
+    states = []
+    for v in (Verifier("lossless"), Verifier("minp", p_base=0.5), Verifier("eta"), Verifier("cos", lam=0.2),
+              Verifier("lenience", lenience=0.3), Verifier("overshoot")):
+        g = torch.Generator().manual_seed(5)
+        verify(p, q, guesses, v, g)
+        states.append(torch.rand(3, generator=g))
+    assert all(torch.equal(s, states[0]) for s in states)
+
+
+def test_one_seed_couples_verifiers_that_decide_alike(tiny_dir):
+    """Lossless, CoS with lam = 1 and the overshoot ceiling with c = 1 are one rule: from one seed
+    they must produce the same tokens, draft samples and all."""
+    target, draft_net = M.load_model(tiny_dir("qwen3_untied")), M.load_model(tiny_dir("qwen3_tied"))
+    target.setup_caches(1, 128)
+    draft_net.setup_caches(1, 128)
+    g = torch.Generator()
+    draft = ModelDraft(draft_net, temperature=1.0, generator=g)
+    outs = []
+    for v in (Verifier("lossless"), Verifier("cos", lam=1.0), Verifier("overshoot", lam=0.5, ceiling=1.0),
+              Verifier("lossless")):
+        g.manual_seed(11)
+        outs.append(generate(target, [3, 1, 4, 1, 5], draft, v, k=3, max_new_tokens=30, temperature=1.0,
+                             generator=g)["tokens"])
+    assert all(o == outs[0] for o in outs)
+    g.manual_seed(12)
+    other = generate(target, [3, 1, 4, 1, 5], draft, Verifier("lossless"), k=3, max_new_tokens=30,
+                     temperature=1.0, generator=g)["tokens"]
+    assert other != outs[0]  # the seed matters: the equality above is not a constant output
+
+
+def run_lossy(*extra, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "lossy.py"), *extra], capture_output=True, text=True,
+                          timeout=600, cwd=cwd)
+
+
+def test_quick_run_is_consistent_and_resumes(tmp_path):
+    """The real default target and GSM8K draft on one problem per level: the summary is the
+    per-problem records', exact configurations show no distortion, and a rerun resumes."""
+    out = tmp_path / "lossy.json"
+    configs = "plain sampling,lossless,minp p_base=0.1,cos lam=0.5,overshoot lam=0.5 c=2"
+    r = run_lossy("--quick", "--workers", "1", "--configs", configs, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    records, summary = result["problems"], result["summary"]
+    assert [p["level"] for p in records] == list(lossy.LEVELS)
+    assert set(summary) == set(lossy.LEVELS) | {"all"}
+    for level, rows in summary.items():
+        mine = [p for p in records if level in ("all", p["level"])]
+        for label, s in rows.items():
+            runs = [p["runs"][label] for p in mine]
+            assert s["accuracy"] == sum(x["correct"] for x in runs) / len(runs)
+            tokens = sum(x["new_tokens"] for x in runs)
+            assert s["block_efficiency"] == pytest.approx(tokens / sum(x["target_forwards"] for x in runs))
+            assert s["tv"] == pytest.approx(sum(x["tv_sum"] for x in runs) / tokens)
+            assert all(0 < x["new_tokens"] <= 8 for x in runs)
+    pooled = summary["all"]
+    assert pooled["plain sampling"]["tv"] == 0 and pooled["plain sampling"]["block_efficiency"] == 1
+    assert pooled["lossless"]["tv"] < 1e-5 and pooled["cos lam=0.5"]["tv"] > 0.01
+    assert pooled["lossless"]["block_efficiency"] > 1
+    assert json.loads(r.stdout.strip().splitlines()[-1])["tv"] == {lb: s["tv"] for lb, s in pooled.items()}
+    assert all(Path(p).is_file() for p in result["plots"])
+
+    log = out.with_name(out.name + ".problems.jsonl")
+    before = log.read_text()
+    again = run_lossy("--quick", "--workers", "1", "--configs", configs, "--out", str(out))
+    assert again.returncode == 0 and "4 of 4 problems done" in again.stderr
+    assert json.loads(out.read_text())["summary"] == summary and log.read_text() == before
+    # other settings never mix into the same log: a one-line refusal, the log untouched
+    other = run_lossy("--quick", "--workers", "1", "--configs", "lossless", "--out", str(out))
+    assert other.returncode != 0 and other.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert log.read_text() == before
+
+
+@pytest.mark.parametrize("bad,message", [(["--tasks", "chess"], "--tasks"), (["--configs", "minp p_base=0.7"],
+                                         "unknown configuration"), (["--temperature", "0"], "--temperature"),
+                                         (["--problems", "0"], "--problems")])
+def test_bad_arguments_fail_in_one_line(bad, message):
+    r = run_lossy(*bad)
+    assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1]
+
+
+@needs_bwrap
+def test_gsm8k_and_humaneval_run_through_the_same_experiment(tmp_path):
+    out = tmp_path / "hard.json"
+    r = run_lossy("--quick", "--tasks", "gsm8k,humaneval", "--workers", "1", "--configs", "lossless,eta eps=0.09",
+                  "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"gsm8k", "humaneval", "all"}
+    assert summary["all"]["eta eps=0.09"]["vs_lossless"]["n"] == 2
