@@ -113,6 +113,13 @@ def test_problems_for_power_gives_80_percent_power():
     assert lossy.problems_for_power(0.0, 0.05) == 0
 
 
+def test_rank_correlation_is_spearmans_rho():
+    assert lossy.rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == 1
+    assert lossy.rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == -1
+    # ranks (0 1 2 3 4) against (1 0 2 4 3): d^2 = 1 + 1 + 0 + 1 + 1 = 4, rho = 1 - 6 * 4 / (5 * 24) = 0.8
+    assert lossy.rank_correlation([0.1, 0.2, 0.3, 0.4, 0.5], [2.0, 1.0, 3.0, 9.0, 5.0]) == pytest.approx(0.8)
+
+
 @pytest.mark.parametrize("name,params", [("lossless", {}), ("minp", {"p_base": 0.2}), ("eta", {"eps": 0.05}),
                                          ("cos", {"lam": 0.5}), ("overshoot", {"lam": 0.25, "ceiling": 2.0})])
 def test_distortion_meter_is_the_closed_form_at_each_committed_token(name, params):
