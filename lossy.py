@@ -396,39 +396,49 @@ def power_note(summary: dict) -> dict:
 # Figures: the paper's, in kind
 
 def plots(summary: dict, out_dir: Path, stem: str) -> list:
+    """Draw the figures that the run's configurations allow; returns the files written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    written = []
     levels = [lv for lv in summary if lv != "all"]
     pooled = summary["all" if "all" in summary else levels[0]]
     families = list(dict.fromkeys(label.split()[0] for label in pooled if label.split()[0] in
                                   ("minp", "eta", "cos", "lenience", "overshoot")))
+    truncation = [f for f in families if f in ("minp", "eta")]
+    figures = {"accuracy-by-level": len(levels) > 1 and families and accuracy_by_level,
+               "tradeoff": tradeoff, "truncation-efficiency": truncation and truncation_efficiency,
+               "distortion": families and distortion}
+    written = []
+    for name, draw in figures.items():
+        if draw:
+            fig = draw(plt, summary, levels, pooled, families)
+            fig.tight_layout()
+            written.append(out_dir / f"{stem}-{name}.png")
+            fig.savefig(written[-1], dpi=120)
+    plt.close("all")
+    return written
 
-    def save(fig, name):
-        fig.tight_layout()
-        written.append(out_dir / f"{stem}-{name}.png")
-        fig.savefig(written[-1], dpi=120)
 
-    def references(ax, x_of):  # lossless and plain sampling on every panel
+def accuracy_by_level(plt, summary, levels, pooled, families):
+    """The paper's Figure 1: accuracy against difficulty, a panel per family, lossless on each."""
+    fig, axes = plt.subplots(1, len(families), figsize=(3.3 * len(families), 3.6), sharey=True, squeeze=False)
+    for ax, family in zip(axes[0], families):
         for label, style in (("lossless", "k-"), ("plain sampling", "k:")):
             if label in pooled:
-                ax.plot(*x_of(label), style, lw=1.5, label=label)
+                ax.plot(range(len(levels)), [summary[lv][label]["accuracy"] for lv in levels], style, lw=1.5,
+                        label=label)
+        for label in (lb for lb in pooled if lb.split()[0] == family):
+            ax.plot(range(len(levels)), [summary[lv][label]["accuracy"] for lv in levels], "o-", ms=3,
+                    label=label.removeprefix(family + " "))
+        ax.set_xticks(range(len(levels)), levels, rotation=30, ha="right", fontsize=7)
+        ax.set_title(family)
+        ax.legend(fontsize=6)
+    axes[0, 0].set_ylabel("accuracy")
+    return fig
 
-    if len(levels) > 1 and families:  # Figure 1: accuracy against difficulty
-        fig, axes = plt.subplots(1, len(families), figsize=(3.3 * len(families), 3.6), sharey=True, squeeze=False)
-        for ax, family in zip(axes[0], families):
-            references(ax, lambda lb: (range(len(levels)), [summary[lv][lb]["accuracy"] for lv in levels]))
-            for label in (lb for lb in pooled if lb.split()[0] == family):
-                ax.plot(range(len(levels)), [summary[lv][label]["accuracy"] for lv in levels], "o-", ms=3,
-                        label=label.removeprefix(family + " "))
-            ax.set_xticks(range(len(levels)), levels, rotation=30, ha="right", fontsize=7)
-            ax.set_title(family)
-            ax.legend(fontsize=6)
-        axes[0, 0].set_ylabel("accuracy")
-        save(fig, "accuracy-by-level")
 
-    # Figure 3: block efficiency against accuracy, one curve per family, all levels pooled
+def tradeoff(plt, summary, levels, pooled, families):
+    """The paper's Figure 3: block efficiency against accuracy, a curve per family, levels pooled."""
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for group in curves(pooled, ["lossless", "plain"] + families):
         errorbar(ax, sorted((s for lb, s in pooled.items() if lb == group or lb.startswith(group + " ")),
@@ -436,28 +446,32 @@ def plots(summary: dict, out_dir: Path, stem: str) -> list:
     ax.set_xlabel("block efficiency (tokens per target forward)")
     ax.set_ylabel("accuracy (all levels)")
     ax.legend(fontsize=7)
-    save(fig, "tradeoff")
+    return fig
 
+
+def truncation_efficiency(plt, summary, levels, pooled, families):
+    """The paper's Figure 5: truncation block efficiency against its parameter, per level."""
     truncation = [f for f in families if f in ("minp", "eta")]
-    if truncation:  # Figure 5: truncation block efficiency against its parameter, per level
-        fig, axes = plt.subplots(1, len(truncation), figsize=(4.2 * len(truncation), 3.6), squeeze=False)
-        for ax, family in zip(axes[0], truncation):
-            labels = sorted((lb for lb in pooled if lb.split()[0] == family),
-                            key=lambda lb: getattr(CONFIGS[lb], PARAMETER[family]))
-            xs = [getattr(CONFIGS[lb], PARAMETER[family]) for lb in labels]
-            for level in levels + (["all"] if "all" in summary else []):
-                ax.plot(xs, [summary[level][lb]["block_efficiency"] for lb in labels], "o-", ms=3, label=level,
-                        lw=2.5 if level == "all" else 1)
-            if "lossless" in pooled:
-                ax.axhline(pooled["lossless"]["block_efficiency"], color="k", lw=1, label="lossless (all)")
-            ax.set_xscale("log")
-            ax.set_xlabel(PARAMETER[family])
-            ax.set_ylabel("block efficiency")
-            ax.set_title(family)
-            ax.legend(fontsize=6)
-        save(fig, "truncation-efficiency")
+    fig, axes = plt.subplots(1, len(truncation), figsize=(4.2 * len(truncation), 3.6), squeeze=False)
+    for ax, family in zip(axes[0], truncation):
+        labels = sorted((lb for lb in pooled if lb.split()[0] == family),
+                        key=lambda lb: getattr(CONFIGS[lb], PARAMETER[family]))
+        xs = [getattr(CONFIGS[lb], PARAMETER[family]) for lb in labels]
+        for level in levels + (["all"] if "all" in summary else []):
+            ax.plot(xs, [summary[level][lb]["block_efficiency"] for lb in labels], "o-", ms=3, label=level,
+                    lw=2.5 if level == "all" else 1)
+        if "lossless" in pooled:
+            ax.axhline(pooled["lossless"]["block_efficiency"], color="k", lw=1, label="lossless (all)")
+        ax.set_xscale("log")
+        ax.set_xlabel(PARAMETER[family])
+        ax.set_ylabel("block efficiency")
+        ax.set_title(family)
+        ax.legend(fontsize=6)
+    return fig
 
-    # distortion against block efficiency: the price of each token gained, per family
+
+def distortion(plt, summary, levels, pooled, families):
+    """Distortion against block efficiency: what each token gained costs, per family."""
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for group in curves(pooled, families):
         rs = sorted((s for lb, s in pooled.items() if lb.startswith(group + " ")), key=lambda s: s["block_efficiency"])
@@ -467,9 +481,7 @@ def plots(summary: dict, out_dir: Path, stem: str) -> list:
     ax.set_xlabel("block efficiency (tokens per target forward)")
     ax.set_ylabel("mean total variation from p per token")
     ax.legend(fontsize=7)
-    save(fig, "distortion")
-    plt.close("all")
-    return written
+    return fig
 
 
 def curves(pooled: dict, families: list) -> list:
