@@ -215,16 +215,22 @@ _worker = {}  # one per process: the target, tokenizer, draft and generator, loa
 
 
 def start_worker(args):
-    torch.set_num_threads(args.threads_per_worker)
-    target, tokenizer = load_target(args.target, args.device, target_weights(None, args.device, False),
-                                    args.max_seq_len)
-    generator = torch.Generator(device=args.device)
-    draft = build_draft(str(args.draft), target, tokenizer, temperature=args.temperature, generator=generator)
-    _worker.update(target=target, tokenizer=tokenizer, draft=draft, generator=generator, args=args)
+    try:
+        torch.set_num_threads(args.threads_per_worker)
+        target, tokenizer = load_target(args.target, args.device, target_weights(None, args.device, False),
+                                        args.max_seq_len)
+        generator = torch.Generator(device=args.device)
+        draft = build_draft(str(args.draft), target, tokenizer, temperature=args.temperature, generator=generator)
+        _worker.update(target=target, tokenizer=tokenizer, draft=draft, generator=generator, args=args)
+    except (M.CheckpointError, ValueError) as e:
+        # raised from work() instead: a Pool whose initializer fails restarts its workers forever
+        _worker["error"] = e
 
 
 def work(problem: dict) -> dict:
     w = _worker
+    if "error" in w:
+        raise w["error"]
     return run_problem(problem, w["target"], w["tokenizer"], w["draft"], w["generator"], w["args"])
 
 
@@ -239,7 +245,9 @@ def read_partial(path: Path, fingerprint: dict) -> dict:
     if not path.is_file():
         return {}
     lines = path.read_text().splitlines()
-    if not lines or json.loads(lines[0]) != {"config": fingerprint}:
+    if not lines:  # stopped before its first problem finished
+        return {}
+    if json.loads(lines[0]) != {"config": fingerprint}:
         raise ValueError(f"{path} holds a run with other settings; pass another --out, or delete it "
                          f"to start over")
     done = {}
@@ -262,11 +270,11 @@ def run_all(args, problems: list) -> list:
         print(f"resuming {path}: {len(problems) - len(todo)} of {len(problems)} problems done",
               file=sys.stderr)
     if todo:
-        if not path.is_file():
-            path.write_text(json.dumps({"config": fingerprint}) + "\n")
         bar = tqdm(total=len(problems), initial=len(problems) - len(todo), desc="problems", file=sys.stderr)
-        with path.open("a") as log:
+        with bar, path.open("a") as log:  # (the bar closes before an error is printed)
             def keep(record):
+                if not done:  # the settings head the log, written with its first problem
+                    log.write(json.dumps({"config": fingerprint}) + "\n")
                 done[record["id"]] = record
                 log.write(json.dumps(record) + "\n")  # one whole line per problem
                 log.flush()
@@ -279,7 +287,6 @@ def run_all(args, problems: list) -> list:
                 with multiprocessing.get_context("spawn").Pool(args.workers, start_worker, (args,)) as pool:
                     for record in pool.imap_unordered(work, todo):
                         keep(record)
-        bar.close()
     return [done[p["id"]] for p in problems]
 
 
@@ -620,6 +627,7 @@ def check_and_complete(ap, args):
 def main(argv=None):
     args = get_args(argv)
     problems = load_problems(args.tasks, args.problems, args.seed)
+    M.resolve_model(args.target)  # missing weights: one line now, not from inside the workers
     t0 = time.time()
     records = run_all(args, problems)
     summary = summarize(records, args.configs)

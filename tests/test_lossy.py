@@ -230,6 +230,15 @@ def test_bad_arguments_fail_in_one_line(bad, message):
     assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1]
 
 
+def test_missing_weights_and_drafts_fail_in_one_line_and_keep_the_log_usable(tmp_path):
+    out = tmp_path / "r.json"
+    missing = tmp_path / "no-such-model"
+    for bad in (["--target", str(missing), "--draft", "lookup"], ["--draft", str(missing)]):
+        r = run_lossy(*bad, "--workers", "2", "--problems", "1", "--out", str(out))
+        assert r.returncode == 1 and str(missing) in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
+    assert lossy.read_partial(out.with_name(out.name + ".problems.jsonl"), {"config": 1}) == {}
+
+
 @needs_bwrap
 def test_gsm8k_and_humaneval_run_through_the_same_experiment(tmp_path):
     out = tmp_path / "hard.json"
