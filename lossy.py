@@ -57,12 +57,12 @@ GSM8K_DRAFT = ROOT / "drafts" / "smollm2-135m-eagle3-gsm8k"  # the strongest dra
 
 # The sweep: at least four settings per lossy family, from near the target to lenient, next to
 # lossless speculative sampling and plain sampling (the two exact references).
-SWEEP = [("plain sampling", None)] + [(None, Verifier("lossless"))] + \
-        [(None, Verifier("minp", p_base=v)) for v in (0.3, 0.1, 0.05, 0.02)] + \
-        [(None, Verifier("eta", eps=v)) for v in (3e-4, 0.01, 0.09, 0.3)] + \
-        [(None, Verifier("cos", lam=v)) for v in (0.9, 0.75, 0.5, 0.25)] + \
-        [(None, Verifier("lenience", lenience=v)) for v in (0.9, 0.75, 0.5, 0.25)] + \
-        [(None, Verifier("overshoot", lam=lam, ceiling=c)) for lam in (0.5, 0.25) for c in (2.0, 4.0)]
+SWEEP = [None, Verifier("lossless")] + \
+        [Verifier("minp", p_base=v) for v in (0.3, 0.1, 0.05, 0.02)] + \
+        [Verifier("eta", eps=v) for v in (3e-4, 0.01, 0.09, 0.3)] + \
+        [Verifier("cos", lam=v) for v in (0.9, 0.75, 0.5, 0.25)] + \
+        [Verifier("lenience", lenience=v) for v in (0.9, 0.75, 0.5, 0.25)] + \
+        [Verifier("overshoot", lam=lam, ceiling=c) for lam in (0.5, 0.25) for c in (2.0, 4.0)]  # None: plain
 PARAMETER = {"minp": "p_base", "eta": "eps", "cos": "lam", "lenience": "lenience"}
 
 
@@ -75,7 +75,7 @@ def config_label(verifier: Verifier | None) -> str:
     return verifier.name + (f" {name}={getattr(verifier, name):g}" if name else "")
 
 
-CONFIGS = {config_label(v): v for _, v in SWEEP}
+CONFIGS = {config_label(v): v for v in SWEEP}
 
 
 # -----------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def work(problem: dict) -> dict:
     return run_problem(problem, w["target"], w["tokenizer"], w["draft"], w["generator"], w["args"])
 
 
-def partial_path(out: Path) -> Path:
+def problems_log(out: Path) -> Path:
     """Every finished problem, one line each, kept beside the results: a rerun with the same
     settings continues from it, also with a larger --problems (the first problems stay the same)."""
     return out.with_name(out.name + ".problems.jsonl")
@@ -263,7 +263,7 @@ def read_partial(path: Path, fingerprint: dict) -> dict:
 def run_all(args, problems: list) -> list:
     """Every problem, resuming from OUT.problems.jsonl; returns the records in problem order."""
     fingerprint = {k: shown(v) for k, v in vars(args).items() if k in FINGERPRINT}
-    path = partial_path(args.out)
+    path = problems_log(args.out)
     done = read_partial(path, fingerprint)
     todo = [p for p in problems if p["id"] not in done]
     if done:
@@ -604,7 +604,7 @@ def check_and_complete(ap, args):
             DEFAULT_DRAFTS.get(args.target)
         if args.draft is None:
             ap.error(f"no committed draft for {args.target}: pass --draft")
-    elif Path(args.draft).is_dir() or ":" not in args.draft and args.draft != "lookup" and repo_path(args.draft).is_dir():
+    elif repo_path(args.draft).is_dir():  # a committed draft's folder, from any working directory
         args.draft = repo_path(args.draft)
     if args.workers == "auto":
         args.workers = 1 if args.device != "cpu" else pick_threads("auto")
