@@ -260,15 +260,13 @@ def paired_ratio(a: list, b: list, resamples: int = 10000, seed: int = 0) -> dic
 
 
 def paired_runs(args, records: dict, temperatures: dict) -> dict:
-    """--paired A,B: A's runs against B's, verifier by verifier and temperature by temperature."""
-    if not args.paired:
-        return {}
-    a, b = (draft_label(d) for d in args.paired)
+    """Each --paired A,B: A's runs against B's, verifier by verifier and temperature by temperature."""
     pairs = {}
-    for name in records:  # A's run with a verifier and temperature, and B's with the same ones
-        twin = b + name[len(a):]
-        if name.startswith(a + " ") and twin in records:
-            pairs[f"{name} vs {b}"] = paired_ratio(records[name], records[twin])
+    for a, b in ([draft_label(d) for d in pair] for pair in args.paired or ()):
+        for name in records:  # A's run with a verifier and temperature, and B's with the same ones
+            twin = b + name[len(a):]
+            if name.startswith(a + " ") and twin in records:
+                pairs[f"{name} vs {b}"] = paired_ratio(records[name], records[twin])
     return pairs
 
 
@@ -368,8 +366,9 @@ def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(Fa
             for compiled in sorted(compile_modes, reverse=True):
                 net.attend_full_cache = compiled  # static shapes: one graph per query length
                 if compiled:  # on CUDA, CUDA graphs remove the per-kernel launch cost that dominates
-                    mode = "reduce-overhead" if device.startswith("cuda") else "default"
-                    measure(torch.compile(net, dynamic=False, mode=mode), dtype_name, mode, weight_bytes)
+                    cuda = device.startswith("cuda")
+                    step = compile_step(net, "reduce-overhead" if cuda else "default")
+                    measure(step, dtype_name, "reduce-overhead" if cuda else "freezing", weight_bytes)
                 else:  # eager CPU steps run on packed weights, as decode.py's fp32 ones do; inductor packs
                     M.pack_for_cpu(net)  # its own (a no-op off the CPU)
                     measure(net, dtype_name, None, weight_bytes)
@@ -463,9 +462,10 @@ def get_args(argv=None):
                     help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
                          "lossless (the same rule there) is left out if greedy is in")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
-    ap.add_argument("--paired", default=None, metavar="A,B",
+    ap.add_argument("--paired", action="append", default=[], metavar="A,B",
                     help="two of --drafts: their tau and speed ratio, A over B, with 95%% paired bootstrap "
-                         "intervals over the prompts (e.g. a VAT draft against its baseline-objective twin)")
+                         "intervals over the prompts (e.g. a VAT draft against its baseline-objective twin); "
+                         "repeat it for more pairs")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=7, help="tokens drafted per target forward")
     ap.add_argument("--prompt-file", default="data/spec_bench_questions.jsonl",
                     help="Spec-Bench-style jsonl (or any supported jsonl)")
@@ -488,8 +488,9 @@ def get_args(argv=None):
                          "the memory-bandwidth floor; auto = qwen3-4b,llama-3.1-8b on CUDA, none on CPU; "
                          "'none' skips")
     ap.add_argument("--decode-table-compile", default="auto", choices=("auto", "both", "off"),
-                    help="time torch.compile'd steps next to eager ones; auto = both on CUDA, eager only on "
-                         "CPU (a compile costs ~1 min per query length there)")
+                    help="time torch.compile'd steps (CUDA graphs on CUDA, weight freezing on CPU) next to "
+                         "eager ones; auto = both on CUDA, eager only on CPU (a compile costs ~30 s per query "
+                         "length there)")
     ap.add_argument("--int8-quality", type=int, default=0, metavar="N",
                     help="compare the int8 target with fp32 on N held-out GSM8K texts: top-1 agreement and "
                          "perplexity (CPU)")
@@ -518,8 +519,8 @@ def check_and_complete(ap, args):
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.verifiers = args.verifiers.split(",")
     args.drafts = [d for d in args.drafts.split(",") if d]
-    args.paired = args.paired.split(",") if args.paired else None
-    if args.paired and (len(args.paired) != 2 or any(d not in args.drafts for d in args.paired)):
+    args.paired = [pair.split(",") for pair in args.paired]
+    if any(len(pair) != 2 or any(d not in args.drafts for d in pair) for pair in args.paired):
         ap.error("--paired takes two of the --drafts, comma-separated")
     args.categories = args.categories.split(",") if args.categories else None
     args.compile = wants_compile(args.compile, args.device)

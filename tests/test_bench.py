@@ -69,7 +69,7 @@ def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, com
     rows = bench.decode_speed_table(["tiny"], "cpu", torch.float32, compile_modes=(compiled,),
                                     verify_k=(3, 7), context=32, reps=3, copy_bytes=1 << 24)
     (row,) = rows
-    assert row["compiled"] == compiled and (row["compile_mode"] == "default") == compiled
+    assert row["compiled"] == compiled and (row["compile_mode"] == "freezing") == compiled
     # by hand: per layer q, k, v, o, gate, up, down, two norms and the q/k head norms; then the final
     # norm and the lm_head; the embedding table is read once per step only as the tied lm_head
     d, f, hd = 64, 96, 16
@@ -141,12 +141,15 @@ def test_paired_ratio_is_a_ratio_of_sums_with_a_paired_interval():
 
 def test_paired_runs_pair_only_runs_with_a_twin():
     """--paired A,B compares A's runs with B's runs of the same verifier and temperature; A's
-    runs that B has no twin for (A with early exit) are left out, not a crash after the runs."""
+    runs that B has no twin for (A with early exit) are left out, not a crash after the runs; each
+    repeated --paired gives its own comparisons."""
     import argparse
     run = [{"new_tokens": 10, "target_forwards": 5, "tokens_per_s": 20.0}]
     records = {"baseline T=0": run, "a greedy T=0": run, "b greedy T=0": run,
                "a +early-exit 0.05 greedy T=0": run, "a greedy T=1": run}
-    args = argparse.Namespace(paired=["runs/a/checkpoint", "runs/b/checkpoint"])
+    args = argparse.Namespace(paired=[["runs/a/checkpoint", "runs/b/checkpoint"]])
     pairs = bench.paired_runs(args, records, {})
     assert list(pairs) == ["a greedy T=0 vs b"]
+    args.paired.append(["runs/b/checkpoint", "runs/a/checkpoint"])
+    assert list(bench.paired_runs(args, records, {})) == ["a greedy T=0 vs b", "b greedy T=0 vs a"]
     assert pairs["a greedy T=0 vs b"]["tau"]["ratio"] == 1.0
