@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from test_draft import dflash_net, eagle3_net
 
+import corpus as C
 import model as M
 import train_vat as TV
 from decode import generate
@@ -200,10 +201,10 @@ def test_spec_bench_is_refused_by_content_under_any_name(tmp_path):
     renamed.write_text("\n".join([json.dumps({"question": "an honest prompt"})] +
                                  [json.dumps({"instruction": json.loads(r)["turns"][0]}) for r in rows]))
     with pytest.raises(ValueError, match="contains 3 Spec-Bench questions"):
-        TV.read_prompt_files([renamed])
+        C.read_prompt_files([renamed])
     clean = tmp_path / "clean.jsonl"
     clean.write_text(json.dumps({"question": "an honest prompt"}) + "\n")
-    assert TV.read_prompt_files([clean]) == ["an honest prompt"]
+    assert C.read_prompt_files([clean]) == ["an honest prompt"]
 
 
 # -----------------------------------------------------------------------------
@@ -306,7 +307,7 @@ def tiny_training(target, objective, steps, seed=0):
     net.d2t.zero_()
     net.t2d.fill_(True)
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    stream = TV.batches(data, 16, 32, __import__("random").Random(0))
+    stream = C.batches(data, 16, 32, __import__("random").Random(0))
     target.setup_caches(16, 40)
     batch = next(stream)
     _, before = TV.eagle3_loss(net, target, batch, args)
@@ -373,7 +374,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     cache = list((tmp_path / "cache").glob("corpus-*/shard-*.pt" if kind == "eagle3" else "responses-*.pt"))
     assert len(cache) == (2 + 2 if kind == "eagle3" else 1)  # held-out prompts alone, then batches of 4
     if kind == "eagle3":
-        corpus = TV.Corpus(cache[0].parent)
+        corpus = C.Corpus(cache[0].parent)
         data = [corpus.sequence(i) for i in range(len(corpus))]
     else:
         data = torch.load(cache[0])
@@ -530,9 +531,9 @@ def test_captured_rows_equal_a_full_forward(tmp_path):
     tiny_chat_target(tmp_path / "target")
     target = M.load_model(tmp_path / "target")
     target.setup_caches(3, 64)
-    layers = TV.corpus_layers(target.args.n_layer)
+    layers = C.corpus_layers(target.args.n_layer)
     prompts = [[1, 5, 9, 40, 41], [2, 7], [3, 60, 61, 62, 70, 80, 90]]  # left padding differs per row
-    responses, captured = TV.batch_generate(target, prompts, 10, stop_ids={0}, capture_layers=layers)
+    responses, captured = C.batch_generate(target, prompts, 10, stop_ids={0}, capture_layers=layers)
     target.setup_caches(1, 64)
     for ids, response, rows in zip(prompts, responses, captured):
         seq = ids + response
@@ -562,12 +563,12 @@ def test_training_from_the_corpus_equals_training_on_the_fly(tmp_path, kind):
     prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers " * (1 + i % 3)}) + "\n"
                                for i in range(10)))
     args = corpus_args(tmp_path, data=str(prompts))
-    corpus = TV.Corpus(*TV.build_corpus(target, tokenizer, args))
-    assert len(corpus) == 10 and corpus.layers == TV.corpus_layers(target.args.n_layer)
+    corpus = C.Corpus(*C.build_corpus(target, tokenizer, args))
+    assert len(corpus) == 10 and corpus.layers == C.corpus_layers(target.args.n_layer)
     net = eagle3_net(target, draft_vocab=97) if kind == "eagle3" else dflash_net(target, block=4)
     targs = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0,
                                ttt_steps=3, blocks_per_seq=2)
-    batch = next(TV.corpus_batches(corpus, range(2, 10), 200, 64, random.Random(0)))
+    batch = next(C.corpus_batches(corpus, range(2, 10), 200, 64, random.Random(0)))
     target.setup_caches(len(batch[0]), batch[0].shape[1])
     torch.manual_seed(1)
     fly, fly_stats = TV.DraftLoss(net, target, targs)(batch[0], batch[1])
@@ -589,7 +590,7 @@ def test_corpus_batches_cover_every_sequence_once_an_epoch_with_little_padding(t
         final = torch.zeros(int(lengths.sum()), 2, dtype=torch.float16)
         lse = torch.zeros(int(lengths.sum()))
         argmax = torch.zeros(int(lengths.sum()), dtype=torch.int32)
-    stream = TV.corpus_batches(Fake, range(1, 10), 100, 64, random.Random(0))
+    stream = C.corpus_batches(Fake, range(1, 10), 100, 64, random.Random(0))
     seen, padded, real = [], 0, 0
     while len(seen) < 9:
         tokens, mask, *_ = next(stream)
@@ -616,23 +617,23 @@ def test_an_interrupted_corpus_build_continues_where_it_stopped(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"question {i}"}) + "\n" for i in range(9)))
     args = corpus_args(tmp_path, data=str(prompts))
-    folder, n_shards = TV.build_corpus(target, tokenizer, args)
+    folder, n_shards = C.build_corpus(target, tokenizer, args)
     shards = sorted(folder.glob("shard-*.pt"))
     assert n_shards == len(shards)
     assert len(shards) == 2 + 2  # two held-out prompts alone, then 7 prompts in batches of 4
-    whole = TV.Corpus(folder)
+    whole = C.Corpus(folder)
     stamps = {f.name: f.stat().st_mtime_ns for f in shards}
     shards[-1].unlink()  # as if killed while writing the last one (a shard is written whole or not at all)
-    TV.build_corpus(target, tokenizer, args)
-    again = TV.Corpus(folder)
+    C.build_corpus(target, tokenizer, args)
+    again = C.Corpus(folder)
     assert [f.stat().st_mtime_ns for f in shards[:-1]] == [stamps[f.name] for f in shards[:-1]]
     assert again.tokens.tolist() == whole.tokens.tolist()
     assert torch.equal(again.features, whole.features)
     assert [again.sequence(i) for i in range(len(again))] == [whole.sequence(i) for i in range(len(whole))]
     # a prefix: the held-out prompts and the first batch, nothing generated beyond it
     args.corpus_batches = 1
-    assert TV.build_corpus(target, tokenizer, args) == (folder, 3)
-    prefix = TV.Corpus(folder, 3)
+    assert C.build_corpus(target, tokenizer, args) == (folder, 3)
+    prefix = C.Corpus(folder, 3)
     assert len(prefix) == 2 + 4 and prefix.tokens.tolist() == whole.tokens[:len(prefix.tokens)].tolist()
 
 
