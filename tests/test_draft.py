@@ -338,3 +338,17 @@ def test_hybrid_draft_uses_both_and_decodes_exactly(target, kind):
     assert spec["tokens"] == plain["tokens"]
     assert 0 < hybrid.looked_up < hybrid.steps and spec["draft_forwards"] > 0
     assert isinstance(hybrid.lookup, LookupDraft) and hybrid.lookup.min_ngram == 2
+
+
+def test_every_committed_draft_loads_for_the_default_target_and_stays_small(smollm2_dir):
+    """drafts/: each committed draft loads exactly for the target it was trained on (a stray or
+    missing tensor is an error in load_draft) and stays under the 25 MB a repository can carry."""
+    from pathlib import Path
+    from draft import load_draft
+    committed = sorted(p for p in (Path(__file__).resolve().parent.parent / "drafts").iterdir() if p.is_dir())
+    assert len(committed) >= 3
+    target = M.load_model(smollm2_dir)
+    for folder in committed:
+        assert sum(f.stat().st_size for f in folder.iterdir()) < 25e6, folder
+        kind, net = load_draft(folder, target)
+        assert kind == "eagle3" and net.fc.weight.shape[1] == 3 * target.args.dim, folder
