@@ -68,12 +68,13 @@ def wants_compile(flag: str, device: str) -> bool:
 
 def compile_step(target, mode: str = "default"):
     """torch.compile the target's forward. It then attends the whole cache, so each block length is
-    one static graph. On a CPU inductor freezes the weights (folds them into the graph as constants
-    it packs for oneDNN itself, so the target must not be packed by us) and fuses the small ops
-    between the matmuls; on CUDA, mode "reduce-overhead" adds CUDA graphs."""
+    one static graph. On a CPU inductor freezes the weights (folds them into the graph as constants)
+    and fuses the small ops between the matmuls; it cannot compile our packed weights, so the target
+    must be unpacked. On CUDA, mode "reduce-overhead" adds CUDA graphs."""
     target.attend_full_cache = True
-    cpu = target.embed_tokens.weight.device.type == "cpu"
-    return torch.compile(target, dynamic=False, mode=None if cpu else mode, options={"freezing": True} if cpu else None)
+    if target.embed_tokens.weight.device.type == "cpu":
+        return torch.compile(target, dynamic=False, options={"freezing": True})
+    return torch.compile(target, dynamic=False, mode=mode)
 
 
 def load_target(name_or_path: str, device: str, weights: str, max_seq_len: int):
