@@ -94,7 +94,7 @@ def quartiles(xs):
 # Runs
 
 def split_early_exit(spec: str):
-    """'DRAFT@ee' -> (DRAFT, 'auto'): the paper's threshold; 'DRAFT@ee0.2' -> (DRAFT, 0.2)
+    """'DRAFT@ee' -> (DRAFT, 'auto'): the draft's recorded threshold; 'DRAFT@ee0.2' -> (DRAFT, 0.2)
     (an @adapt suffix, see make_draft, is not part of either)."""
     base, _, ee = spec.removesuffix("@adapt").partition("@ee")
     return base, (None if "@ee" not in spec else float(ee) if ee else "auto")
@@ -123,11 +123,13 @@ def make_draft(spec, target, tokenizer, temperature, generator):
 @dataclass
 class Run:
     """One configuration of the speed table: ours (a draft and a verifier, or plain decoding when
-    draft is None) or a transformers peer (a function of the prompt ids)."""
+    draft is None) or a transformers peer (a function of the prompt ids). `baseline` names the run
+    its speedup divides by on each prompt (plain fp32 decoding at its temperature by default)."""
     name: str
     temperature: float
+    target: object = None  # the model this run decodes with (runs of one table may differ in weights)
     draft: object = None
-    verifier: Verifier = Verifier("greedy")
+    verifier: Verifier | None = None  # None: the exact rule for the temperature (decode.exact_verifier)
     peer: object = None
 
 
@@ -146,10 +148,43 @@ def hf_peer(target_dir, kind: str, k: int):
                           **sampling, **extra)
         seconds = time.perf_counter() - t0
         new = out[0, len(ids):].tolist()
-        return {"tokens": new, "new_tokens": len(new), "seconds": seconds, "tokens_per_s": len(new) / seconds,
+        return {"tokens": new, "new_tokens": len(new), "seconds": seconds, "tokens_per_s": None,  # (no prefill time)
                 "tau": None, "target_forwards": None, "draft_seconds": 0.0, "accepted_per_position": [],
-                "drafted_tokens": 0, "early_exit_saved": 0}
+                "drafted_tokens": 0, "declined_tokens": 0}
     return run
+
+
+def emit(run: Run, ids: list, k: int, max_new_tokens: int, stop_ids, generator, step_fn=None) -> dict:
+    """One run on one prompt: what it emitted and its statistics, with its rate over the whole
+    call (prompt included), the one rate ours and transformers' generate share. Plain decoding
+    (no draft) and a run without a verifier take the exact rule for their temperature."""
+    if run.peer is not None:
+        r = run.peer(ids, max_new_tokens, run.temperature, stop_ids)
+    else:
+        r = generate(run.target, ids, run.draft, run.verifier, k=k if run.draft else 0,
+                     max_new_tokens=max_new_tokens, temperature=run.temperature, stop_ids=stop_ids,
+                     generator=generator, step_fn=step_fn)
+    return {**r, "wall_tokens_per_s": r["new_tokens"] / max(r["seconds"], 1e-9)}
+
+
+def interleave(runs: list, prompts: list, k: int, max_new_tokens: int, stop_ids, generator, device: str,
+               warmup: int = 1, step_fn=None, desc: str = "speed runs (prompts)") -> dict:
+    """Every run on each prompt before the next prompt (A B C A B C ...), after `warmup` prompts
+    run untimed, so that drift of the machine falls on all runs alike. prompts: [(category, ids)].
+    Returns {run name: [one result per prompt]}."""
+    def timed(run: Run, ids):
+        reset_peak_memory(device)
+        r = emit(run, ids, k, max_new_tokens, stop_ids, generator, step_fn)
+        return {**r, "peak_memory_mb": peak_memory_mb(device)}
+
+    for _, ids in prompts[:warmup]:
+        for run in runs:
+            timed(run, ids)
+    records = {run.name: [] for run in runs}
+    for i, (category, ids) in enumerate(tqdm(prompts, desc=desc, file=sys.stderr)):
+        for run in runs:
+            records[run.name].append({**timed(run, ids), "prompt": i, "category": category})
+    return records
 
 
 def speed_runs(args, target, tokenizer, generator):
@@ -157,7 +192,7 @@ def speed_runs(args, target, tokenizer, generator):
     Returns {run name: [one result per prompt]} and {run name: temperature}."""
     runs = []
     for temperature in args.temperatures:
-        runs.append(Run(f"baseline T={temperature:g}", temperature))
+        runs.append(Run(f"baseline T={temperature:g}", temperature, target))
         for spec in args.drafts:
             draft = make_draft(spec, target, tokenizer, temperature, generator)
             for name in args.verifiers:
@@ -165,7 +200,7 @@ def speed_runs(args, target, tokenizer, generator):
                     continue
                 if name == "lossless" and temperature == 0 and "greedy" in args.verifiers:
                     continue  # at T=0 lossless keeps exactly what greedy keeps: the run would repeat it
-                runs.append(Run(f"{draft_label(spec)} {name} T={temperature:g}", temperature, draft,
+                runs.append(Run(f"{draft_label(spec)} {name} T={temperature:g}", temperature, target, draft,
                                 Verifier(name)))
         if args.peers:
             target_dir = M.resolve_model(args.target)
@@ -173,40 +208,27 @@ def speed_runs(args, target, tokenizer, generator):
                                 ("assisted", "transformers assisted lookup")):
                 runs.append(Run(f"{label} T={temperature:g}", temperature,
                                 peer=hf_peer(target_dir, kind, args.num_draft_tokens)))
-
-    def timed(run: Run, ids):
-        reset_peak_memory(args.device)
-        if run.peer is not None:
-            r = run.peer(ids, args.max_new_tokens, run.temperature, tokenizer.stop_ids)
-        else:
-            r = generate(target, ids, run.draft, run.verifier, k=args.num_draft_tokens if run.draft else 0,
-                         max_new_tokens=args.max_new_tokens, temperature=run.temperature,
-                         stop_ids=tokenizer.stop_ids, generator=generator, step_fn=args.step_fn)
-        return {**r, "peak_memory_mb": peak_memory_mb(args.device)}
-
     prompts = load_prompts(repo_path(args.prompt_file), args.categories, args.limit)
     encoded = [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
-    for _, ids in encoded[:args.warmup]:
-        for run in runs:
-            timed(run, ids)
-    records = {run.name: [] for run in runs}
-    for i, (category, ids) in enumerate(tqdm(encoded, desc="speed runs (prompts)", file=sys.stderr)):
-        for run in runs:  # every configuration on this prompt before the next prompt
-            records[run.name].append({**timed(run, ids), "prompt": i, "category": category})
+    records = interleave(runs, encoded, args.num_draft_tokens, args.max_new_tokens, tokenizer.stop_ids,
+                         generator, args.device, args.warmup, args.step_fn)
     return records, {run.name: run.temperature for run in runs}
 
 
 def summarize(records: dict, temperatures: dict) -> dict:
-    """Per run: median tokens/s and speedup over the plain baseline at its temperature (with IQRs),
-    tau overall and per category, acceptance by draft position, draft time, memory."""
+    """Per run: median tokens/s and speedup over the plain baseline at its temperature (the run
+    named 'baseline T=...') with IQRs, tau overall and per category, acceptance by draft
+    position, draft time, memory."""
     summary = {}
     for name, rs in records.items():
         base = records[f"baseline T={temperatures[name]:g}"]
-        lo, med, hi = quartiles([r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base)])
-        tps = quartiles([r["tokens_per_s"] for r in rs])
+        # rates over the whole call, prompt included: the one both ours and a peer's generate give
+        lo, med, hi = quartiles([r["wall_tokens_per_s"] / b["wall_tokens_per_s"] for r, b in zip(rs, base)])
+        tps = quartiles([r["wall_tokens_per_s"] for r in rs])
+        decoding = [r["tokens_per_s"] for r in rs if r["tokens_per_s"] is not None]
         ratios = {}
         for r, b in zip(rs, base):
-            ratios.setdefault(r["category"], []).append(r["tokens_per_s"] / b["tokens_per_s"])
+            ratios.setdefault(r["category"], []).append(r["wall_tokens_per_s"] / b["wall_tokens_per_s"])
         ours = [r for r in rs if r["target_forwards"]]  # the peers count no forwards
         per_category = {}
         for r in ours:
@@ -216,6 +238,8 @@ def summarize(records: dict, temperatures: dict) -> dict:
         summary[name] = {
             "temperature": temperatures[name],
             "tokens_per_s_median": tps[1], "tokens_per_s_iqr": [tps[0], tps[2]],
+            # ours only: new tokens over the time after the prompt's prefill
+            "decode_tokens_per_s_median": statistics.median(decoding) if decoding else None,
             "speedup_median": med, "speedup_iqr": [lo, hi],
             "tau": (sum(r["new_tokens"] for r in ours) / sum(r["target_forwards"] for r in ours)) if ours
             else None,
@@ -226,7 +250,7 @@ def summarize(records: dict, temperatures: dict) -> dict:
                                         for i in range(k)],
             "draft_time_fraction": sum(r["draft_seconds"] for r in rs) / sum(r["seconds"] for r in rs),
             "drafted_tokens": sum(r["drafted_tokens"] for r in rs),
-            "early_exit_saved": sum(r["early_exit_saved"] for r in rs),
+            "declined_tokens": sum(r["declined_tokens"] for r in rs),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in rs),
             "new_tokens": sum(r["new_tokens"] for r in rs),
             "target_forwards": sum(r["target_forwards"] or 0 for r in rs),
@@ -246,7 +270,7 @@ def paired_ratio(a: list, b: list, resamples: int = 10000, seed: int = 0) -> dic
         return new[rows].sum(-1) / forwards[rows].sum(-1)
 
     def overall_speed(runs, rows):
-        return per_prompt(runs, "tokens_per_s")[rows].sum(-1)
+        return per_prompt(runs, "wall_tokens_per_s")[rows].sum(-1)
 
     n = len(a)
     every = torch.arange(n)
@@ -259,10 +283,11 @@ def paired_ratio(a: list, b: list, resamples: int = 10000, seed: int = 0) -> dic
     return out
 
 
-def paired_runs(args, records: dict, temperatures: dict) -> dict:
-    """Each --paired A,B: A's runs against B's, verifier by verifier and temperature by temperature."""
+def paired_runs(paired: list, records: dict) -> dict:
+    """Each pair [A, B] of drafts: A's runs against B's, verifier by verifier and temperature by
+    temperature."""
     pairs = {}
-    for a, b in ([draft_label(d) for d in pair] for pair in args.paired or ()):
+    for a, b in ([draft_label(d) for d in pair] for pair in paired):
         for name in records:  # A's run with a verifier and temperature, and B's with the same ones
             twin = b + name[len(a):]
             if name.startswith(a + " ") and twin in records:
@@ -455,9 +480,9 @@ def get_args(argv=None):
     committed = DEFAULT_DRAFTS.get(M.DEFAULT_TARGET)
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     ap.add_argument("--drafts", default=default_drafts,
-                    help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds the "
-                         "paper's early exit (0.5 EAGLE-3, 0.6 DFlash), @ee0.2 a threshold of your own; then "
-                         "@adapt the adaptive draft length (decode.py --adaptive)")
+                    help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds early "
+                         "exit at the draft's recorded threshold (as a bare decode.py --early-exit), @ee0.2 a "
+                         "threshold of your own; then @adapt the adaptive draft length (decode.py --adaptive)")
     ap.add_argument("--verifiers", default="greedy,lossless",
                     help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
                          "lossless (the same rule there) is left out if greedy is in")
@@ -538,6 +563,27 @@ def check_and_complete(ap, args):
     problem = unwritable(args.out)
     if problem:
         ap.error(f"cannot write --out {args.out}: {problem}")
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine_stamp(device: str) -> dict:
+    """What a result was measured on: which CPU (model and the features that decide the fastest
+    weight layout), how many cores and threads, which torch and which commit, and when."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()  # noqa: E731
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
+            "cpu_features": [f for f in CPU_FEATURES if f in flags],
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": device,
+            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "commit": git("rev-parse", "--short", "HEAD") or "unknown",
+            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "date": time.strftime("%Y-%m-%d")}
+
+
 def unwritable(path: Path) -> str | None:
     """Why results could not be written to `path`, checked before the hours of work; None if they can."""
     if path.is_dir():
@@ -551,14 +597,22 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
+def write_atomically(path: Path, text: str):
+    """Write under a temporary name, then rename: a reader never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_results(out: Path, result: dict) -> Path:
     """Write the results atomically; if that fails now (disk full, folder gone), keep them in the
     temporary directory and say where, rather than lose hours of measurements."""
     text = json.dumps(result, indent=1, default=str)
     try:
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        tmp.replace(out)  # never a half-written results file
+        write_atomically(out, text)
         return out
     except OSError as e:
         fallback = Path(tempfile.gettempdir()) / f"vat-bench-{os.getpid()}-{out.name}"
@@ -583,7 +637,7 @@ def print_report(args, summary: dict, table: list):
           f"{args.max_new_tokens} new tokens max\n")
     if summary:
         memory = "GPU memory" if args.device.startswith("cuda") else "peak RSS"
-        print(f"| run | tau | tokens/s (median) | speedup (median, IQR) | draft time | {memory} |")
+        print(f"| run | tau | tokens/s, prompt included (median) | speedup (median, IQR) | draft time | {memory} |")
         print("|---|---|---|---|---|---|")
         for name, s in summary.items():
             tau = f"{s['tau']:.2f}" if s["tau"] else "-"
@@ -619,7 +673,7 @@ def main(argv=None):
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
         records, temperatures = speed_runs(args, target, tokenizer, generator)
         summary = summarize(records, temperatures)
-        paired = paired_runs(args, records, temperatures)
+        paired = paired_runs(args.paired, records)
         del target
         args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
     table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile,
@@ -637,8 +691,6 @@ def main(argv=None):
               f"{int8_check['top1_agreement']:.3f}, perplexity {int8_check['perplexity_fp32']:.3f} -> "
               f"{int8_check['perplexity_int8']:.3f}")
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
     out = args.out
     try:
         images = plots(summary, out.parent, out.stem)
@@ -647,10 +699,7 @@ def main(argv=None):
         images = []
     config = {k: shown(v) for k, v in vars(args).items() if k != "step_fn"}
     result = {
-        "config": {**config, "git_commit": commit or "unknown",
-                   "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
-                   "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-                   "python": platform.python_version()},
+        "config": config, "machine": machine_stamp(args.device),
         "speed": summary, "paired": paired, "decode_table": table,
         "int8_quality": int8_check,
         "plots": [shown(p) for p in images],

@@ -9,6 +9,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import model as M  # noqa: E402
+from draft import DFlash, Eagle3, dflash_target_layers, eagle3_target_layers  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -76,3 +77,33 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     return M.resolve_model("smollm2-135m")
+
+
+# random EAGLE-3 and DFlash drafts over a target (non-trivial norms and biases: a path that ignores one fails)
+
+def eagle3_net(target, draft_vocab=60, seed=0):
+    torch.manual_seed(seed)
+    t = target.args
+    args = M.ModelArgs(model_type="llama", vocab_size=t.vocab_size, dim=t.dim, n_layer=1, n_head=t.n_head,
+                       n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size)
+    net = Eagle3(args, t.dim, draft_vocab, eagle3_target_layers(t.n_layer))
+    ids = torch.randperm(t.vocab_size)[:draft_vocab].sort().values
+    net.d2t.copy_(ids - torch.arange(draft_vocab))
+    net.t2d.zero_()
+    net.t2d[ids] = True
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # non-trivial norms and biases
+    return net.eval()
+
+
+def dflash_net(target, block=6, seed=0):
+    torch.manual_seed(seed)
+    t = target.args
+    args = M.ModelArgs(model_type="qwen3", vocab_size=t.vocab_size, dim=t.dim, n_layer=2, n_head=t.n_head,
+                       n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size, qk_norm=True)
+    net = DFlash(args, t.dim, dflash_target_layers(t.n_layer, 2), block, mask_token_id=t.vocab_size - 1)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return net.eval()

@@ -8,9 +8,11 @@ import torch.nn.functional as F
 import model as M
 import train_vat as TV
 from decode import generate
-from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, HybridDraft, LookupDraft, dflash_mask,
+from draft import (DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, dflash_mask,
                    dflash_target_layers, eagle3_target_layers, load_draft, save_draft)
 from verify import Verifier
+
+from conftest import dflash_net, eagle3_net  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -18,34 +20,6 @@ def target(tiny_dir):
     m = M.load_model(tiny_dir("qwen3_untied"))
     m.setup_caches(1, 128)
     return m
-
-
-def eagle3_net(target, draft_vocab=60, seed=0):
-    torch.manual_seed(seed)
-    t = target.args
-    args = M.ModelArgs(model_type="llama", vocab_size=t.vocab_size, dim=t.dim, n_layer=1, n_head=t.n_head,
-                       n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size)
-    net = Eagle3(args, t.dim, draft_vocab, eagle3_target_layers(t.n_layer))
-    ids = torch.randperm(t.vocab_size)[:draft_vocab].sort().values
-    net.d2t.copy_(ids - torch.arange(draft_vocab))
-    net.t2d.zero_()
-    net.t2d[ids] = True
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(0.05 * torch.randn_like(p))  # non-trivial norms and biases
-    return net.eval()
-
-
-def dflash_net(target, block=6, seed=0):
-    torch.manual_seed(seed)
-    t = target.args
-    args = M.ModelArgs(model_type="qwen3", vocab_size=t.vocab_size, dim=t.dim, n_layer=2, n_head=t.n_head,
-                       n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size, qk_norm=True)
-    net = DFlash(args, t.dim, dflash_target_layers(t.n_layer, 2), block, mask_token_id=t.vocab_size - 1)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return net.eval()
 
 
 def features(target, tokens, layers):
@@ -279,7 +253,7 @@ def test_dflash_block_cap_is_not_counted_as_early_exit(target):
     drafter = DFlashDraft(net, target.embed_tokens, target.lm_head, 128)
     out = generate(target, [7, 7, 2, 9, 4], drafter, Verifier("greedy"), k=6, max_new_tokens=20)
     # k = 6 asks for more than a block holds: the 3 it cannot draft are not positions an early exit saved
-    assert out["early_exit_saved"] == 0
+    assert out["declined_tokens"] == 0
     assert 0 < out["drafted_tokens"] <= 3 * out["target_forwards"]
 
 

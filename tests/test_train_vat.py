@@ -341,7 +341,7 @@ def test_tiny_training_raises_simulated_tau_and_decodes_exactly(tiny_dir):
     never = Eagle3Draft(net, target.embed_tokens, 128, early_exit=1.01)
     out = generate(target, prompt, never, Verifier("greedy"), k=4, max_new_tokens=30)
     assert out["tokens"] == plain["tokens"] and out["tau"] == 1.0
-    assert out["drafted_tokens"] == 0 and out["early_exit_saved"] == sum(min(4, 30 - i - 1) for i in range(30))
+    assert out["drafted_tokens"] == 0 and out["declined_tokens"] == sum(min(4, 30 - i - 1) for i in range(30))
 
 
 def tiny_chat_target(path):

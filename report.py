@@ -1,0 +1,181 @@
+"""
+The results report: every speed table README shows, measured again on the machine it runs on.
+
+    python report.py                  # about 30 minutes on 2 quiet cores
+    python report.py --render-only    # README's table again from docs/results.json
+
+Two task sets with the embedded default target: Spec-Bench (one question per category: writing,
+roleplay, reasoning, math, coding, extraction, stem, humanities, translation, summarization, QA,
+math reasoning, retrieval-augmented generation) and the last GSM8K test questions, the in-domain
+task of the committed GSM8K draft. Each at T = 0 (greedy, every speculative run emits plain
+decoding's tokens) and T = 1 (sampling, lossless verification: every run emits the target's
+distribution). Every run of a task goes on each prompt before the next prompt (bench.interleave),
+so drift of the machine falls on all of them alike, and a speedup is the median over prompts of
+(run's tokens/s) / (plain fp32 decoding's tokens/s on the same prompt). A rate is new tokens over
+the whole call, prompt included, which is what transformers' generate can be timed on too.
+
+It writes docs/results.json (every run on every prompt, the summary and the machine: CPU model and
+features, cores, threads, torch, commit, date) and rewrites README's results table, between its
+markers, from that file alone; a test checks that README shows what the file renders to.
+Run it with nothing else busy: with 2 OpenMP threads another process slows a step several times.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import bench
+import model as M
+from decode import load_target, pick_threads, prompt_text, read_jsonl
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "docs" / "results.json"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+GENERAL_DRAFT = "drafts/smollm2-135m-eagle3-vat"  # trained on general prompts
+GSM8K_DRAFT = "drafts/smollm2-135m-eagle3-gsm8k-2ep"  # trained on GSM8K-train answers
+
+# (label, temperatures, weights of the target, draft spec as bench takes it or None, transformers peer)
+SPEC_BENCH_RUNS = [
+    ("plain decoding, fp32", (0, 1), "fp32", None, False),
+    ("plain decoding, bf16 weights", (0,), "bf16", None, False),
+    ("plain decoding, int8 weights", (0,), "int8", None, False),
+    ("transformers generate, fp32", (0, 1), None, None, True),
+    ("prompt lookup", (0, 1), "fp32", "lookup", False),
+    ("prompt lookup, int8 weights", (0,), "int8", "lookup", False),
+    ("general EAGLE-3 draft, early exit", (0, 1), "fp32", f"{GENERAL_DRAFT}@ee", False),
+    ("lookup + GSM8K draft, early exit", (0, 1), "fp32", f"lookup+{GSM8K_DRAFT}@ee", False),
+]
+GSM8K_RUNS = [
+    ("plain decoding, fp32", (0, 1), "fp32", None, False),
+    ("prompt lookup", (0, 1), "fp32", "lookup", False),
+    ("GSM8K draft", (0, 1), "fp32", GSM8K_DRAFT, False),
+    ("GSM8K draft, early exit", (0, 1), "fp32", f"{GSM8K_DRAFT}@ee", False),
+    ("lookup + GSM8K draft, early exit, adaptive k", (0, 1), "fp32", f"lookup+{GSM8K_DRAFT}@ee@adapt", False),
+]
+WEIGHTS = {"fp32": "packed", "bf16": "bfloat16", "int8": "int8"}  # as decode.load_target takes them
+
+
+def task_prompts(task: str, limit: int, tokenizer) -> list:
+    """[(category, chat-encoded ids)]: one Spec-Bench question per category, or the last GSM8K
+    test questions (`limit` of them)."""
+    if task == "Spec-Bench":
+        chosen = bench.load_prompts(ROOT / "data" / "spec_bench_questions.jsonl", None, 1)[:limit]
+    else:
+        chosen = [("gsm8k", prompt_text(r)) for _, r in read_jsonl(ROOT / "data" / "gsm8k_test.jsonl")[-limit:]]
+    return [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in chosen]
+
+
+def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> list:
+    """bench.Run objects for a table; the fp32 plain run at each temperature is the baseline."""
+    runs = []
+    for label, temperatures, weights, spec, peer in table:
+        for t in temperatures:
+            name = "baseline" if (weights, spec) == ("fp32", None) else label
+            if peer:
+                runs.append(bench.Run(f"{name} T={t:g}", t, peer=bench.hf_peer(
+                    M.resolve_model(M.DEFAULT_TARGET), "generate", k)))
+                continue
+            target = targets[weights]
+            draft = None if spec is None else bench.make_draft(spec, target, tokenizer, t, generator)
+            runs.append(bench.Run(f"{name} T={t:g}", t, target, draft))
+    return runs
+
+
+def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> dict:
+    """Load the target in each weight layout, run every table, and return the results file."""
+    targets = {}
+    for key, weights in WEIGHTS.items():
+        targets[key], tokenizer = load_target(M.DEFAULT_TARGET, "cpu", weights, 4096)
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for task, (table, limit) in tasks.items():
+        t0 = time.perf_counter()
+        runs = build_runs(table, targets, tokenizer, generator, k)
+        prompts = task_prompts(task, limit, tokenizer)
+        records = bench.interleave(runs, prompts, k, max_new_tokens, tokenizer.stop_ids, generator, "cpu",
+                                   warmup=1, desc=f"{task} (prompts)")
+        labels = {run.name: run.name.replace("baseline", table[0][0]) for run in runs}
+        out[task] = {"prompts": len(prompts), "labels": labels,
+                     "summary": bench.summarize(records, {run.name: run.temperature for run in runs}),
+                     "seconds": time.perf_counter() - t0, "runs": records}
+    return out
+
+
+def render(results: dict) -> str:
+    """README's results section, from the results file alone."""
+    m = results["machine"]
+    features = ", ".join(m["cpu_features"]) or "none of " + ", ".join(bench.CPU_FEATURES)
+    lines = [BEGIN,
+             f"Measured by `{results['command']}` on {m['cpu']} ({features}), {m['cores']} cores, "
+             f"{m['threads']} threads, torch {m['torch']}, commit {m['commit']}, {m['date']}; "
+             f"raw numbers in `docs/results.json`. Up to {results['max_new_tokens']} new tokens per prompt, "
+             f"k = {results['k']}. tokens/s counts the prompt's prefill; speedup is the median over prompts of "
+             f"the ratio to plain fp32 decoding at the same temperature on the same prompt (interquartile range "
+             f"in brackets); tau is tokens per target forward.", ""]
+    for task, table in results["tasks"].items():
+        lines += [f"**{task}** ({table['prompts']} prompt{'s' if table['prompts'] > 1 else ''})", "",
+                  "| run | T | tau | tokens/s | speedup |", "|---|---|---|---|---|"]
+        for name, s in sorted(table["summary"].items(), key=lambda item: item[1]["temperature"]):
+            label = table["labels"][name].rsplit(" T=", 1)[0]
+            tau = f"{s['tau']:.2f}" if s["tau"] else "-"
+            lo, hi = s["speedup_iqr"]
+            lines.append(f"| {label} | {s['temperature']:g} | {tau} | {s['tokens_per_s_median']:.1f} | "
+                         f"{s['speedup_median']:.2f}x ({lo:.2f}-{hi:.2f}) |")
+        lines.append("")
+    return "\n".join(lines + [END])
+
+
+def write_readme_table(results: dict, readme: Path):
+    """Replace what lies between README's markers with the rendered table (atomically)."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme} has no {BEGIN} ... {END} markers to write the results between")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    bench.write_atomically(readme, head + render(results) + tail)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Regenerate README's results on this machine (about 30 minutes on "
+                                             "2 quiet cores): docs/results.json and the table it renders to.")
+    ap.add_argument("--render-only", action="store_true", help="rewrite README's table from the results file")
+    ap.add_argument("--spec-bench", type=int, default=13, help="Spec-Bench prompts (one per category, in order)")
+    ap.add_argument("--gsm8k", type=int, default=20, help="GSM8K test questions, from the end of the file")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("-k", "--num-draft-tokens", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", default="auto", help="as decode.py's; measure with nothing else busy")
+    ap.add_argument("--out", default=str(RESULTS), help="the results file")
+    ap.add_argument("--readme", default=str(README), help="the README whose table is rewritten")
+    args = ap.parse_args(argv)
+    if min(args.spec_bench, args.gsm8k, args.max_new_tokens, args.num_draft_tokens) < 1:
+        ap.error("--spec-bench, --gsm8k, --max-new-tokens and -k must be >= 1")
+    out, readme = Path(args.out), Path(args.readme)
+    if args.render_only:
+        write_readme_table(json.loads(out.read_text()), readme)
+        return
+    problem = bench.unwritable(out)
+    if problem:
+        ap.error(f"cannot write {out}: {problem}")
+    torch.set_num_threads(pick_threads(args.threads))
+    machine = bench.machine_stamp("cpu")  # before the runs: the commit measured, not one made during them
+    t0 = time.perf_counter()
+    tasks = measure({"Spec-Bench": (SPEC_BENCH_RUNS, args.spec_bench), "GSM8K test": (GSM8K_RUNS, args.gsm8k)},
+                    args.max_new_tokens, args.num_draft_tokens, args.seed)
+    command = "python report.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    results = {"command": command, "machine": machine, "max_new_tokens": args.max_new_tokens,
+               "k": args.num_draft_tokens, "seed": args.seed, "seconds": time.perf_counter() - t0, "tasks": tasks}
+    bench.write_results(out, results)
+    write_readme_table(results, readme)
+    print(render(results))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (M.CheckpointError, ValueError) as e:
+        sys.exit(f"error: {e}")

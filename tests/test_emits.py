@@ -1,0 +1,270 @@
+"""What every decoding path emits, whatever it was configured with.
+
+Each path a user can reach from decode.py or bench.py (plain decoding; prompt lookup, an
+independent model, EAGLE-3, DFlash, the hybrid and the adaptive draft; early exit; fp32 and int8
+targets) is run and its output checked against the claim of its verifier:
+  greedy (T = 0)   the tokens of plain greedy decoding, token for token;
+  exact (T > 0)    the target's temperature- and top-p-warped distribution over whole
+                   continuations, enumerated exactly on a 16-token vocabulary and compared with
+                   the emitted frequencies (Pearson chi-square);
+  lossy            the first emitted token follows verify.induced(p, q) in closed form.
+Then the same claims on the real default target (a goodness-of-fit test of the first token) and
+through the command line and the benchmark, whose baselines are what every speedup divides by.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as M
+from conftest import dflash_net, eagle3_net, write_tiny_checkpoint
+from decode import exact_verifier, generate
+from draft import AdaptiveDraft, DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft
+from verify import Verifier, induced, probs_from_logits
+
+ROOT = Path(__file__).resolve().parent.parent
+V = 16  # small enough to enumerate every continuation
+T = 0.2  # the random tiny target's top token then has ~0.36 of the mass: many outcomes are likely
+REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]  # prompt lookup (and the hybrid's lookup) finds a match here
+FRESH = [4, 9, 7, 11, 5, 14, 2, 6]  # no repeated n-gram: the hybrid falls back on its model draft
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The tiny target, an independent draft model with its own weights, and an int8 target."""
+    target_dir, draft_dir = tmp_path_factory.mktemp("target16"), tmp_path_factory.mktemp("draft16")
+    write_tiny_checkpoint(target_dir, "llama3", seed=1, vocab=V)
+    write_tiny_checkpoint(draft_dir, "llama3", seed=2, vocab=V, layers=1)
+
+    def load(path, int8=False):
+        m = M.load_model(path)
+        m.setup_caches(1, 64)
+        return M.quantize_int8(m) if int8 else m
+    return {"target": load(target_dir), "int8": load(target_dir, int8=True), "draft_dir": draft_dir,
+            "load": load}
+
+
+def make_draft(kind: str, models, target, temperature, top_p, generator):
+    """A fresh draft of each kind decode.py builds, over `target`."""
+    sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
+    independent = lambda: ModelDraft(models["load"](models["draft_dir"]), **sampling)  # noqa: E731
+    eagle3 = lambda early_exit=None: Eagle3Draft(eagle3_net(target, draft_vocab=12), target.embed_tokens,  # noqa: E731
+                                                 target.max_seq_len, early_exit=early_exit, **sampling)
+    dflash = lambda early_exit=None: DFlashDraft(dflash_net(target, block=4), target.embed_tokens,  # noqa: E731
+                                                 target.lm_head, target.max_seq_len, early_exit=early_exit,
+                                                 **sampling)
+    return {"plain": lambda: None,
+            "lookup": LookupDraft,
+            "independent": independent,
+            "eagle3": eagle3,
+            "eagle3 early exit": lambda: eagle3(early_exit=median_head_probability(eagle3(), target)),
+            "dflash": dflash,
+            "dflash early exit": lambda: dflash(early_exit=median_head_probability(dflash(), target)),
+            "hybrid": lambda: HybridDraft(eagle3()),
+            "adaptive": lambda: AdaptiveDraft(independent()),
+            }[kind]()
+
+
+def median_head_probability(draft, target) -> float:
+    """The median verification-head probability a random draft meets on sampled continuations:
+    as an early-exit threshold it stops some blocks early and lets others draft on."""
+    seen = []
+    hook = draft.net.verify_head.register_forward_hook(
+        lambda module, inputs, out: seen.extend(torch.sigmoid(out[..., 0]).flatten().tolist()))
+    generator = torch.Generator().manual_seed(123)
+    draft.generator, draft.early_exit = generator, 0.0  # threshold 0: the head is read, never obeyed
+    for _ in range(20):
+        generate(target, FRESH, draft, None, k=3, max_new_tokens=6, temperature=T, generator=generator)
+    hook.remove()
+    return float(torch.tensor(seen).median())
+
+
+def continuation_distribution(target, prompt, n_new, temperature, top_p=1.0):
+    """Exact P(continuation) of the warped target over all V**n_new continuations, (V**n_new,)."""
+    seqs, probs = [[]], torch.ones(1, dtype=torch.double)
+    for _ in range(n_new):
+        rows = torch.tensor([prompt + s for s in seqs])  # (V**i, len(prompt) + i)
+        target.setup_caches(len(rows), rows.shape[1])
+        with torch.no_grad():
+            logits, _ = target(rows, torch.arange(rows.shape[1]))
+        p = probs_from_logits(logits[:, -1], temperature, top_p)  # (V**i, V)
+        probs = (probs[:, None] * p.double()).flatten()
+        seqs = [s + [t] for s in seqs for t in range(V)]
+    target.setup_caches(1, 64)
+    return probs
+
+
+def assert_fits(counts: torch.Tensor, expected: torch.Tensor, what: str):
+    """Pearson chi-square over the cells with enough expected mass (the rest pooled), at 6
+    standard deviations above its degrees of freedom; and the draws are not all one outcome."""
+    runs = counts.sum()
+    keep = expected * runs >= 5
+    cells_c = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    cells_e = torch.cat([expected[keep], expected[~keep].sum()[None]]) * runs
+    cells_c, cells_e = cells_c[cells_e > 0], cells_e[cells_e > 0]
+    chi2 = ((cells_c - cells_e) ** 2 / cells_e).sum().item()
+    df = len(cells_e) - 1
+    assert df >= 3, f"{what}: too few likely outcomes to test"
+    assert chi2 < df + 6 * (2 * df) ** 0.5, f"{what}: chi2 {chi2:.0f} on {df} df"
+    assert (counts > 0).sum() > 1, f"{what}: every run emitted the same tokens"
+
+
+def index_of(tokens):
+    return sum(t * V ** (len(tokens) - 1 - i) for i, t in enumerate(tokens))
+
+
+# -----------------------------------------------------------------------------
+# T = 0: every path is plain greedy decoding, token for token
+
+GREEDY_PATHS = ["lookup", "independent", "eagle3", "eagle3 early exit", "dflash", "dflash early exit", "hybrid",
+                "adaptive"]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("kind", GREEDY_PATHS)
+@pytest.mark.parametrize("verifier", ["greedy", "lossless"])
+def test_greedy_paths_emit_plain_greedy_decoding(models, kind, int8, verifier):
+    target = models["int8" if int8 else "target"]
+    for prompt in (REPEATING, FRESH):
+        plain = generate(target, prompt, max_new_tokens=24)["tokens"]
+        draft = make_draft(kind, models, target, 0.0, 1.0, torch.Generator().manual_seed(0))
+        spec = generate(target, prompt, draft, Verifier(verifier), k=3, max_new_tokens=24,
+                        generator=torch.Generator().manual_seed(0))
+        assert spec["tokens"] == plain, (kind, prompt)
+
+
+# -----------------------------------------------------------------------------
+# T > 0: plain sampling and lossless verification emit the target's warped distribution
+
+SAMPLING_PATHS = [("plain", False, 1.0, REPEATING), ("plain", False, 0.8, REPEATING), ("plain", True, 1.0, REPEATING),
+                  ("lookup", False, 1.0, REPEATING), ("lookup", True, 1.0, REPEATING),
+                  ("independent", False, 1.0, REPEATING), ("independent", False, 0.8, REPEATING),
+                  ("independent", True, 1.0, REPEATING),
+                  ("eagle3", False, 1.0, FRESH), ("eagle3 early exit", False, 1.0, FRESH),
+                  ("dflash", False, 1.0, FRESH), ("dflash early exit", False, 1.0, FRESH),
+                  ("hybrid", False, 1.0, REPEATING), ("hybrid", False, 1.0, FRESH),
+                  ("adaptive", False, 1.0, FRESH)]
+
+
+@pytest.mark.parametrize("kind,int8,top_p,prompt", SAMPLING_PATHS,
+                         ids=[f"{k}-{'int8' if i else 'fp32'}-top_p{p:g}-{'rep' if pr is REPEATING else 'fresh'}"
+                              for k, i, p, pr in SAMPLING_PATHS])
+def test_sampling_paths_emit_the_target_distribution(models, kind, int8, top_p, prompt):
+    """Two new tokens (the first step drafts one: its acceptance, correction and bonus token all
+    count), 1000 runs from one generator, against the exact two-token distribution; three with
+    early exit, so that its head sees sampled states and exits in some blocks and not others."""
+    target, runs, n_new = models["int8" if int8 else "target"], 1000, 3 if "early exit" in kind else 2
+    exact = continuation_distribution(target, prompt, n_new, T, top_p)
+    generator = torch.Generator().manual_seed(0)
+    draft = make_draft(kind, models, target, T, top_p, generator)
+    counts = torch.zeros(len(exact), dtype=torch.double)
+    drafted = declined = 0
+    for _ in range(runs):
+        out = generate(target, prompt, draft, None, k=3 if draft else 0, max_new_tokens=n_new,
+                       temperature=T, top_p=top_p, generator=generator)
+        counts[index_of(out["tokens"])] += 1
+        drafted, declined = drafted + out["drafted_tokens"], declined + out["declined_tokens"]
+    if n_new == 2:
+        assert_fits(counts, exact, f"{kind} top_p {top_p}")
+    else:  # 4,096 continuations are too many cells for 1000 runs: test both two-token marginals
+        counts, exact = counts.view(V, V, V), exact.view(V, V, V)
+        assert_fits(counts.sum(2).flatten(), exact.sum(2).flatten(), f"{kind}, tokens 1-2")
+        assert_fits(counts.sum(0).flatten(), exact.sum(0).flatten(), f"{kind}, tokens 2-3")
+    if draft is not None:  # the path really speculated (and an early exit really exited sometimes)
+        assert drafted > 0
+        assert declined > 0 if "early exit" in kind else True
+
+
+# -----------------------------------------------------------------------------
+# Lossy verifiers: the first token follows the closed form verify.induced(p, q)
+
+LOSSY = [Verifier("minp", p_base=0.1), Verifier("eta", eps=0.05), Verifier("cos", lam=0.5),
+         Verifier("lenience", lenience=0.25), Verifier("overshoot", lam=0.5, ceiling=4.0)]
+
+
+@pytest.mark.parametrize("kind", ["lookup", "independent"])
+@pytest.mark.parametrize("verifier", LOSSY, ids=[v.name for v in LOSSY])
+def test_lossy_paths_emit_their_closed_form(models, kind, verifier):
+    target, runs = models["target"], 1000
+    prompt = REPEATING
+    with torch.no_grad():
+        target.setup_caches(1, 64)
+        logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt)))
+    p = probs_from_logits(logits[0, -1], T)  # (V,) the target at the first new position, computed apart
+    generator = torch.Generator().manual_seed(0)
+    draft = make_draft(kind, models, target, T, 1.0, generator)
+    first_q = []
+
+    def seen(p_block, q_block, guesses, n):  # the draft's first distribution (one-hot for lookup)
+        if not first_q:
+            first_q.append(torch.zeros(V).scatter_(0, guesses[:1], 1.0) if q_block is None else q_block[0])
+
+    counts = torch.zeros(V, dtype=torch.double)
+    for _ in range(runs):
+        first_q.clear()
+        out = generate(target, prompt, draft, verifier, k=1, max_new_tokens=2, temperature=T,
+                       generator=generator, on_verify=seen)
+        counts[out["tokens"][0]] += 1
+    want = induced(p, first_q[0], verifier).double()
+    assert (want - p).abs().sum() > 0.05, "the verifier must change the distribution here, or the test has no power"
+    assert_fits(counts, want, verifier.name)
+
+
+def test_greedy_verification_at_temperature_above_zero_is_refused(models):
+    with pytest.raises(ValueError, match="greedy verifier"):
+        generate(models["target"], REPEATING, LookupDraft(), Verifier("greedy"), k=2, max_new_tokens=4,
+                 temperature=1.0)
+    assert exact_verifier(0.0).name == "greedy" and exact_verifier(0.7).name == "lossless"
+
+
+# -----------------------------------------------------------------------------
+# The benchmark's runs, baselines included, emit what they claim
+
+@pytest.mark.parametrize("spec", [None, "lookup"])
+def test_bench_runs_sample_at_temperature_above_zero(models, spec):
+    """The baseline every T > 0 speedup divides by is plain sampling, and a lookup run samples."""
+    import bench
+    target, runs = models["target"], 1000
+    exact = continuation_distribution(target, REPEATING, 2, T)
+    generator = torch.Generator().manual_seed(0)
+    run = bench.Run("x", T, target, draft=LookupDraft() if spec else None,
+                    verifier=Verifier("lossless") if spec else None)
+    counts = torch.zeros(len(exact), dtype=torch.double)
+    for _ in range(runs):
+        out = bench.emit(run, REPEATING, k=3, max_new_tokens=2, stop_ids=(), generator=generator)
+        counts[index_of(out["tokens"])] += 1
+    assert_fits(counts, exact, f"bench {spec or 'baseline'}")
+
+
+# -----------------------------------------------------------------------------
+# The real default target
+
+def test_default_target_samples_its_own_distribution(smollm2_dir):
+    """Plain sampling at T = 1 on SmolLM2: 200 first tokens against the softmax (goodness of fit)."""
+    from decode import load_target
+    target, tokenizer = load_target(str(smollm2_dir), "cpu", "packed", 64)
+    prompt = tokenizer.encode("The best thing about the sea is")
+    with torch.no_grad():
+        logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt)))
+    p = probs_from_logits(logits[0, -1], 1.0).double()  # (49152,)
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros_like(p)
+    for _ in range(200):
+        counts[generate(target, prompt, max_new_tokens=1, temperature=1.0, generator=generator)["tokens"][0]] += 1
+    assert_fits(counts, p, "default target, plain sampling")
+
+
+def test_cli_seeds_differ_at_temperature_above_zero():
+    """decode.py at T = 1: two seeds give two answers, neither the greedy one."""
+    def tokens(*extra):
+        r = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--prompt", "Write a short poem about the sea.",
+                            "--max-new-tokens", "12", "--json", *extra], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.splitlines()[-1])["tokens"]
+    one, two, greedy = tokens("--temperature", "1", "--seed", "1"), tokens("--temperature", "1", "--seed", "2"), \
+        tokens("--temperature", "0", "--verifier", "none")
+    assert one != two and greedy not in (one, two)

@@ -1,0 +1,53 @@
+"""report.py: README's results table is what docs/results.json renders to, and the report runs."""
+import json
+from pathlib import Path
+
+import pytest
+
+import report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_shows_what_the_results_file_renders_to():
+    results = json.loads(report.RESULTS.read_text())
+    readme = report.README.read_text()
+    shown = readme[readme.index(report.BEGIN):readme.index(report.END) + len(report.END)]
+    assert shown == report.render(results), "README's table is stale: run python report.py --render-only"
+    machine = results["machine"]
+    assert machine["cpu"] and machine["cores"] >= 1 and machine["threads"] >= 1 and machine["torch"]
+    assert not machine["uncommitted_changes"], "measure a committed tree, so that the commit names the code"
+    # every run of a task measured every prompt, and the baselines are plain decoding, not greedy at T > 0
+    for task in results["tasks"].values():
+        for name, rs in task["runs"].items():
+            assert len(rs) == task["prompts"], name
+        sampled = task["runs"]["baseline T=1"]
+        assert len({tuple(r["tokens"]) for r in sampled} | {tuple(r["tokens"]) for r in task["runs"]["baseline T=0"]}) \
+            > len(sampled), "plain decoding at T = 1 gave greedy decoding's tokens"
+
+
+def test_render_only_replaces_the_table_between_the_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.BEGIN}\nold table\n{report.END}\nrest\n")
+    report.main(["--render-only", "--readme", str(readme)])
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("\nrest\n") and "old table" not in text
+    assert report.render(json.loads(report.RESULTS.read_text())) in text
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="markers"):
+        report.main(["--render-only", "--readme", str(readme)])
+    assert readme.read_text() == "no markers\n" and list(tmp_path.iterdir()) == [readme]
+
+
+@pytest.mark.slow  # loads the target three times and transformers once: about a minute
+def test_a_small_report_runs_end_to_end(tmp_path):
+    readme, out = tmp_path / "README.md", tmp_path / "results.json"
+    readme.write_text(f"{report.BEGIN}\n{report.END}\n")
+    report.main(["--spec-bench", "2", "--gsm8k", "1", "--max-new-tokens", "8", "--out", str(out),
+                 "--readme", str(readme)])
+    results = json.loads(out.read_text())
+    assert readme.read_text() == report.render(results) + "\n"
+    t0 = results["tasks"]["GSM8K test"]["runs"]
+    # at T = 0 every speculative run emits plain decoding's tokens
+    assert all(r["tokens"] == b["tokens"] for name in t0 if name.endswith("T=0")
+               for r, b in zip(t0[name], t0["baseline T=0"]))
