@@ -33,14 +33,13 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from decode import (DEFAULT_DRAFTS, build_draft, check_prompt, compile_step, default_device, generate,
-                    load_target, pick_threads, prompt_text, read_jsonl, repo_path, repo_relative,
-                    target_weights, wants_compile)
+from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, compile_step,
+                        default_device, load_target, machine_problem, pick_threads, resolve_model,
+                        target_weights, wants_compile, write_atomically)
+from decode import check_prompt, check_temperature, generate, prompt_text, read_jsonl, repo_path, repo_relative
 from draft import AdaptiveDraft
 from verify import VERIFIERS, Verifier
 
-ROOT = Path(__file__).resolve().parent
-DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
 
 # -----------------------------------------------------------------------------
 # Prompts and tasks
@@ -203,7 +202,7 @@ def speed_runs(args, target, tokenizer, generator):
                 runs.append(Run(f"{draft_label(spec)} {name} T={temperature:g}", temperature, target, draft,
                                 Verifier(name)))
         if args.peers:
-            target_dir = M.resolve_model(args.target)
+            target_dir = resolve_model(args.target)
             for kind, label in (("generate", "transformers generate"),
                                 ("assisted", "transformers assisted lookup")):
                 runs.append(Run(f"{label} T={temperature:g}", temperature,
@@ -475,9 +474,9 @@ def plots(summary, out_dir: Path, stem: str) -> list:
 def get_args(argv=None):
     ap = argparse.ArgumentParser(description="Speculative decoding benchmark: speed, side by side.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--target", default=M.DEFAULT_TARGET,
-                    help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
-    committed = DEFAULT_DRAFTS.get(M.DEFAULT_TARGET)
+    ap.add_argument("--target", default=DEFAULT_TARGET,
+                    help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
+    committed = DEFAULT_DRAFTS.get(DEFAULT_TARGET)
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     ap.add_argument("--drafts", default=default_drafts,
                     help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds early "
@@ -514,8 +513,8 @@ def get_args(argv=None):
                          "'none' skips")
     ap.add_argument("--decode-table-compile", default="auto", choices=("auto", "both", "off"),
                     help="time torch.compile'd steps (CUDA graphs on CUDA, weight freezing on CPU) next to "
-                         "eager ones; auto = both on CUDA, eager only on CPU (a compile costs ~30 s per query "
-                         "length there)")
+                         "eager ones; auto = both on CUDA, eager only on CPU (a compile per query "
+                         "length costs time there)")
     ap.add_argument("--int8-quality", type=int, default=0, metavar="N",
                     help="compare the int8 target with fp32 on N held-out GSM8K texts: top-1 agreement and "
                          "perplexity (CPU)")
@@ -534,14 +533,21 @@ def get_args(argv=None):
 def check_and_complete(ap, args):
     """Parse the lists, refuse bad values in one line, and check that the results can be written,
     all before hours of measuring."""
-    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
-        ap.error(f"--threads takes auto or a whole number >= 1, got {args.threads}")
+    problem = machine_problem(args.device, args.threads, args.dtype, wants_compile(args.compile, args.device))
+    if problem:
+        ap.error(problem)
     if args.quick:
         args.limit, args.max_new_tokens, args.warmup = 1, 16, 0
         args.categories = args.categories or "writing,translation"
     if min(args.num_draft_tokens, args.max_new_tokens, args.limit) < 1:
         ap.error("-k, --max-new-tokens and --limit must be >= 1")
-    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    try:
+        args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    except ValueError:
+        ap.error(f"--temperatures takes comma-separated numbers, got {args.temperatures!r}")
+    for t in args.temperatures:
+        if check_temperature(t, "--temperatures"):
+            ap.error(check_temperature(t, "--temperatures"))
     args.verifiers = args.verifiers.split(",")
     args.drafts = [d for d in args.drafts.split(",") if d]
     args.paired = [pair.split(",") for pair in args.paired]
@@ -595,16 +601,6 @@ def unwritable(path: Path) -> str | None:
     except OSError as e:
         return e.strerror or str(e)
     return None
-
-
-def write_atomically(path: Path, text: str):
-    """Write under a temporary name, then rename: a reader never sees a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_results(out: Path, result: dict) -> Path:

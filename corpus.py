@@ -13,7 +13,6 @@ those responses with everything training needs from the target captured while it
 """
 import hashlib
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -21,12 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from checkpoints import DATA, first_non_finite, save_atomically, write_atomically
 from decode import read_prompts, repo_path
 from draft import dflash_target_layers, eagle3_target_layers
 from verify import probs_from_logits, sample
 
-ROOT = Path(__file__).resolve().parent
-DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
 DEFAULT_DATA = ["data/gsm8k_train.jsonl", "data/alpaca_seed_tasks.jsonl"]  # relative to the repository
 SPEC_BENCH = DATA / "spec_bench_questions.jsonl"
 
@@ -117,11 +115,16 @@ def magpie_prompts(target, tokenizer, n: int, batch: int, max_tokens: int = 96) 
     return prompts[:n]
 
 
+def data_sources(data: str, self_prompts: int) -> tuple:
+    """--data FILE,FILE,self -> (the prompt files, how many prompts the target writes itself)."""
+    names = [p for p in data.split(",") if p]
+    return [p for p in names if p != "self"], self_prompts if "self" in names else 0
+
+
 def build_dataset(target, tokenizer, args) -> list:
     """[(ids, response_start, prompt text)], cached by target, prompts and generation settings.
     The prompt text is kept so held-out prompts are evaluated as the user wrote them."""
-    files = [p for p in args.data.split(",") if p and p != "self"]
-    n_self = args.self_prompts if "self" in args.data.split(",") else 0
+    files, n_self = data_sources(args.data, args.self_prompts)
     key_src = ",".join(str(repo_path(p).resolve()) for p in files)
     key = hashlib.sha1(f"v2|{args.target}|{key_src}|{args.num_prompts}|{n_self}|{args.response_tokens}|"
                        f"{args.max_prompt_tokens}".encode()).hexdigest()[:12]
@@ -212,17 +215,16 @@ def corpus_layers(n_layer: int) -> tuple:
 
 def corpus_prompts(target, tokenizer, args) -> list:
     """The training prompts (files, then self-written), shuffled once: the corpus's order."""
-    files = [p for p in args.data.split(",") if p and p != "self"]
+    files, n_self = data_sources(args.data, args.self_prompts)
     prompts = read_prompt_files(files, args.num_prompts) if files else []
-    if "self" in args.data.split(",") and args.self_prompts:
-        prompts += magpie_prompts(target, tokenizer, args.self_prompts, args.gen_batch)
+    if n_self:
+        prompts += magpie_prompts(target, tokenizer, n_self, args.gen_batch)
     random.Random(1).shuffle(prompts)
     return prompts
 
 
 def corpus_dir(args) -> Path:
-    files = [p for p in args.data.split(",") if p and p != "self"]
-    n_self = args.self_prompts if "self" in args.data.split(",") else 0
+    files, n_self = data_sources(args.data, args.self_prompts)
     key_src = ",".join(hashlib.sha1(repo_path(p).read_bytes()).hexdigest()[:12] for p in files)
     settings = (f"corpus-v1|{args.target}|{key_src}|{args.num_prompts}|{n_self}|{args.response_tokens}|"
                 f"{args.max_prompt_tokens}|{args.gen_batch}|{args.eval_prompts}")
@@ -252,7 +254,14 @@ def build_corpus(target, tokenizer, args) -> Path:
     groups = [[i] for i in order[:args.eval_prompts]] + groups
     if args.corpus_batches:  # a prefix of the corpus: the held-out prompts, then the shortest prompts
         groups = groups[:args.eval_prompts + args.corpus_batches]
-    todo = [(n, g) for n, g in enumerate(groups) if not (folder / f"shard-{n:05d}.pt").is_file()]
+    todo = []
+    for n, group in enumerate(groups):
+        problem = shard_problem(folder / f"shard-{n:05d}.pt")
+        if problem and problem != "missing":
+            print(f"warning: corpus shard {folder / f'shard-{n:05d}.pt'} is {problem}: generating it again",
+                  file=sys.stderr)
+        if problem:
+            todo.append((n, group))
     if todo:
         print(f"corpus: {len(prompts)} prompts, {len(todo)} of {len(groups)} generation batches to do, "
               f"into {folder}", file=sys.stderr)
@@ -266,8 +275,41 @@ def build_corpus(target, tokenizer, args) -> Path:
         shard["starts"] = torch.tensor([len(encoded[i]) for i in group])
         shard["prompt_index"] = torch.tensor(group)
         shard["layers"] = torch.tensor(layers)
-        save_atomically(shard, folder / f"shard-{n:05d}.pt")
+        save_shard(shard, folder / f"shard-{n:05d}.pt")
     return folder, len(groups)
+
+
+# A shard's SHA-256 is written beside it (shard-NNNNN.pt.sha256) once the shard is whole, and
+# checked before the shard is used: a shard damaged on disk (overwritten bytes, a cut
+# file) is named and generated again, never trained on.
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_shard(shard: dict, path: Path):
+    bad = first_non_finite(shard)
+    if bad:
+        raise ValueError(f"the target produced non-finite {bad} for {path.name}: refusing to save it")
+    save_atomically(shard, path)
+    # a kill before the checksum lands leaves a shard without one: taken as damaged and made again
+    write_atomically(path.with_name(path.name + ".sha256"), file_digest(path))
+
+
+def shard_problem(path: Path) -> str | None:
+    """Why a corpus shard cannot be used ('missing', 'damaged (...)'), or None when it is whole."""
+    if not path.is_file():
+        return "missing"
+    checksum = path.with_name(path.name + ".sha256")
+    if not checksum.is_file():
+        return "damaged (its checksum file is missing)"
+    if checksum.read_text().strip() != file_digest(path):
+        return "damaged (its bytes do not match its checksum)"
+    return None
 
 
 class Corpus:
@@ -275,10 +317,19 @@ class Corpus:
     sequence i is rows offsets[i]:offsets[i+1]."""
 
     def __init__(self, folder: Path, n_shards: int | None = None):
-        shards = [torch.load(f, weights_only=True, mmap=True)
-                  for f in sorted(folder.glob("shard-*.pt"))[:n_shards]]
-        if not shards:
+        files = sorted(folder.glob("shard-*.pt"))[:n_shards]
+        if not files:
             raise ValueError(f"{folder} holds no corpus shards")
+        for f in files:
+            problem = shard_problem(f)
+            if problem:
+                raise ValueError(f"corpus shard {f} is {problem}; rerun train_vat.py to generate it again")
+        shards = [torch.load(f, weights_only=True, mmap=True) for f in files]
+        for f, shard in zip(files, shards):
+            bad = first_non_finite(shard)
+            if bad:
+                raise ValueError(f"corpus shard {f} holds non-finite {bad}; delete it and rerun to generate it "
+                                 f"again")
         self.layers = tuple(shards[0]["layers"].tolist())
         for name in ("tokens", "features", "final", "lse", "argmax", "lengths", "starts", "prompt_index"):
             setattr(self, name, torch.cat([s[name] for s in shards]))
@@ -333,21 +384,3 @@ def corpus_batches(corpus: Corpus, indices: list, tokens_per_batch: int, seq_len
                     out[name][b, :n] = getattr(corpus, name)[lo:lo + n]
                 out["mask"][b, int(corpus.starts[i]):n] = 1
             yield out["tokens"], out["mask"], out["features"], out["final"], out["lse"], out["argmax"]
-
-
-# -----------------------------------------------------------------------------
-# Files written whole or not at all
-
-def write_atomically(path: Path, text: str):
-    """Write under a temporary name, then rename: readers see the old file or the new one, whole."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def save_atomically(obj, path: Path):
-    """torch.save, whole or not at all (see write_atomically)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)

@@ -15,7 +15,6 @@ import argparse
 import codecs
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,81 +23,11 @@ from pathlib import Path
 import torch
 
 import model as M
-from draft import (AdaptiveDraft, DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft, NoDraft,
-                   draft_kind, load_draft)
-from tokenizer import load_tokenizer
+from checkpoints import (DEFAULT_DRAFTS, DEFAULT_TARGET, EARLY_EXIT_DEFAULT, HF_REPOS, ROOT, build_draft,
+                        compile_step, default_device, load_target, machine_problem, pick_threads,
+                        target_weights, wants_compile)
+from draft import AdaptiveDraft, NoDraft
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
-
-ROOT = Path(__file__).resolve().parent
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def idle_cores(seconds: float = 0.25) -> float | None:
-    """How many cores the rest of the machine leaves idle right now (Linux /proc/stat); None where
-    that cannot be read."""
-    def sample():
-        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, all
-    try:
-        idle0, total0 = sample()
-        time.sleep(seconds)
-        idle1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (os.cpu_count() or 1) * (idle1 - idle0) / max(total1 - total0, 1e-9)
-
-
-def pick_threads(flag: str) -> int:
-    """--threads N, or auto: one per core that nothing else is using. OpenMP threads spin while they
-    wait for each other, so a thread that shares its core with a busy process stalls them all (on 2
-    cores beside one busy process: 2 threads ran at 8.8 tok/s, 1 thread at 21.2; README)."""
-    if flag != "auto":
-        return max(1, int(flag))
-    idle = idle_cores()
-    return torch.get_num_threads() if idle is None else max(1, min(torch.get_num_threads(), round(idle)))
-
-
-def wants_compile(flag: str, device: str) -> bool:
-    """--compile auto|on|off: auto compiles on CUDA only (on CPU the packed eager model is faster)."""
-    return flag == "on" or (flag == "auto" and device.startswith("cuda"))
-
-
-def compile_step(target, mode: str = "default"):
-    """torch.compile the target's forward. It then attends the whole cache, so each block length is
-    one static graph. On a CPU inductor freezes the weights (folds them into the graph as constants)
-    and fuses the small ops between the matmuls; it cannot compile our packed weights, so the target
-    must be unpacked. On CUDA, mode "reduce-overhead" adds CUDA graphs."""
-    target.attend_full_cache = True
-    if target.embed_tokens.weight.device.type == "cpu":
-        return torch.compile(target, dynamic=False, options={"freezing": True})
-    return torch.compile(target, dynamic=False, mode=mode)
-
-
-def load_target(name_or_path: str, device: str, weights: str, max_seq_len: int):
-    """Resolve, load and prepare a model for inference: caches allocated and the weights in the
-    form asked for: 'int8' (CPU), 'packed' fp32 (CPU, oneDNN's layout), or a torch dtype name."""
-    path = M.resolve_model(name_or_path)
-    dtype = getattr(torch, weights) if weights not in ("int8", "packed") else torch.float32
-    target = M.load_model(path, dtype=dtype, device=device)
-    target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))
-    if weights == "int8":
-        M.quantize_int8(target)
-    elif weights == "packed":
-        M.pack_for_cpu(target)
-    return target, load_tokenizer(path)
-
-
-def target_weights(dtype: str | None, device: str, compiled: bool) -> str:
-    """--dtype as load_target takes it: by default packed fp32 on a CPU (unless torch.compile packs
-    the weights itself), bfloat16 on CUDA. int8 is CPU-only and opt-in (README: its speed and its
-    cost in quality)."""
-    dtype = dtype or ("bfloat16" if device != "cpu" else "float32")
-    if dtype == "int8" and (device != "cpu" or compiled):
-        raise ValueError("--dtype int8 runs on the CPU, uncompiled; use bfloat16 on a GPU")
-    return "packed" if dtype == "float32" and device == "cpu" and not compiled else dtype
 
 
 @dataclass
@@ -114,6 +43,23 @@ class Stats:
 
     def __post_init__(self):
         self.drafted_at, self.kept_at = [0] * self.k, [0] * self.k
+
+    def result(self, new: list, seconds: float, prefill_seconds: float, draft_forwards: int) -> dict:
+        return {
+            "tokens": new,
+            "new_tokens": len(new),
+            "seconds": seconds,
+            "prefill_seconds": prefill_seconds,
+            "draft_seconds": self.draft_seconds,
+            "tokens_per_s": len(new) / max(seconds - prefill_seconds, 1e-9),
+            "target_forwards": self.forwards,
+            "draft_forwards": draft_forwards,
+            "drafted_tokens": self.drafted,
+            "declined_tokens": self.declined,  # early exits and lookup misses alike
+            "tau": len(new) / max(self.forwards, 1),
+            # fraction of blocks that drafted position i in which the token at i was kept
+            "accepted_per_position": [a / d if d else 0.0 for a, d in zip(self.kept_at, self.drafted_at)],
+        }
 
     def count(self, asked: int, drafted: int, kept: int):
         self.forwards += 1
@@ -167,19 +113,10 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
     the new ids and statistics: tau (new tokens per target forward, bonus included), forwards,
     per-position acceptance."""
     verifier = exact_verifier(temperature) if verifier is None else verifier
-    if verifier.name == "greedy" and temperature > 0:
-        raise ValueError(f"the greedy verifier keeps the target's argmax, which is temperature 0; at "
-                         f"temperature {temperature:g} use lossless (or a lossy verifier)")
     step_fn = target if step_fn is None else step_fn  # (a compiled module has no truth value)
     draft, k = (NoDraft(), 0) if draft is None else (draft, k)
-    device = target.embed_tokens.weight.device
-    L = len(prompt_ids)
-    if L == 0:
-        raise ValueError("empty prompt")
-    if L + max_new_tokens + k > target.max_seq_len:
-        raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + {k} drafted needs "
-                         f"{L + max_new_tokens + k} positions; the context holds {target.max_seq_len} "
-                         f"(lower --max-new-tokens or raise --max-seq-len)")
+    check_request(target, len(prompt_ids), max_new_tokens, k, verifier, temperature)
+    device, L = target.embed_tokens.weight.device, len(prompt_ids)
     t_start = time.perf_counter()
     draft_forwards_before = draft.forwards
     # prefill everything but the last prompt token: each step starts by feeding that one
@@ -191,7 +128,7 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
     seq, new, stats = list(prompt_ids), [], Stats(k)
     while len(new) < max_new_tokens:
         # guesses past the token budget are wasted; a DFlash block holds at most block_size - 1
-        budget = min(k, max_new_tokens - len(new) - 1, getattr(draft, "max_tokens", k))
+        budget = min(k, max_new_tokens - len(new) - 1, draft.max_tokens)
         out, n, hidden = speculative_step(step_fn, seq, draft, budget, verifier, stats, device,
                                           temperature=temperature, top_p=top_p, generator=generator,
                                           on_verify=on_verify)
@@ -207,22 +144,21 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
         # the target's states at the committed positions: the token fed and the n kept
         draft.commit(out, n, torch.cat(hidden, -1)[0, :n + 1] if hidden else None)
     synchronize(device)
-    seconds = time.perf_counter() - t_start
-    return {
-        "tokens": new,
-        "new_tokens": len(new),
-        "seconds": seconds,
-        "prefill_seconds": t_prefill,
-        "draft_seconds": stats.draft_seconds,
-        "tokens_per_s": len(new) / max(seconds - t_prefill, 1e-9),
-        "target_forwards": stats.forwards,
-        "draft_forwards": draft.forwards - draft_forwards_before,
-        "drafted_tokens": stats.drafted,
-        "declined_tokens": stats.declined,  # early exits and lookup misses alike
-        "tau": len(new) / max(stats.forwards, 1),
-        # fraction of blocks that drafted position i in which the token at i was kept
-        "accepted_per_position": [a / d if d else 0.0 for a, d in zip(stats.kept_at, stats.drafted_at)],
-    }
+    return stats.result(new, time.perf_counter() - t_start, t_prefill, draft.forwards - draft_forwards_before)
+
+
+def check_request(target, L: int, max_new_tokens: int, k: int, verifier: Verifier, temperature: float):
+    """A one-line error for what generate cannot do: an empty prompt, more positions than the
+    cache holds, greedy verification at T > 0 (it would emit the argmax whatever T says)."""
+    if verifier.name == "greedy" and temperature > 0:
+        raise ValueError(f"the greedy verifier keeps the target's argmax, which is temperature 0; at "
+                         f"temperature {temperature:g} use lossless (or a lossy verifier)")
+    if L == 0:
+        raise ValueError("empty prompt")
+    if L + max_new_tokens + k > target.max_seq_len:
+        raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + {k} drafted needs "
+                         f"{L + max_new_tokens + k} positions; the context holds {target.max_seq_len} "
+                         f"(lower --max-new-tokens or raise --max-seq-len)")
 
 
 def synchronize(device: torch.device):
@@ -263,13 +199,21 @@ def repo_relative(path) -> str:
     return str(p.resolve().relative_to(ROOT)) if inside else str(path)
 
 
+def read_text(path: Path) -> str:
+    """A text file's contents; one that is not UTF-8 text is a one-line error naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): is it the file you meant?") from None
+
+
 def read_jsonl(path) -> list:
     """[(line number, record)] of a jsonl file, skipping blank lines; a bad line is a one-line error."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"file not found: {path}")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -288,7 +232,7 @@ def read_prompts(path) -> list:
     if not path.is_file():
         raise ValueError(f"prompt file not found: {path}")
     if path.suffix != ".jsonl":
-        prompts = [path.read_text()]
+        prompts = [read_text(path)]
     else:
         prompts = [check_prompt(prompt_text(r), f"{path} line {n}") for n, r in read_jsonl(path)]
     if not prompts or not all(p.strip() for p in prompts):
@@ -303,77 +247,22 @@ def check_prompt(text, where: str) -> str:
     return text
 
 
-# A bare --early-exit takes the threshold a draft's config.json records (`early_exit_threshold`,
-# chosen on training questions for the committed drafts), else this one. The VAT paper's 0.5
-# (EAGLE-3) and 0.6 (DFlash) suit drafts whose head is confident; ours, trained on a CPU, are not,
-# and at 0.5 they draft almost nothing.
-EARLY_EXIT_DEFAULT = 0.1
-DEFAULT_DRAFTS = {M.DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-vat"}
-
-
-def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                early_exit=None, pack: bool = True):
-    """--draft lookup | eagle3:PATH | dflash:PATH | a trained draft's directory (its config says
-    which) | NAME_OR_PATH of an independent model sharing the target's tokenizer | lookup+ANY OF
-    THOSE (HybridDraft: lookup where it matches, the draft elsewhere). early_exit: a threshold,
-    'auto' (the paper's), or None."""
-    if spec == "lookup":
-        return LookupDraft()
-    if spec.startswith("lookup+"):
-        model_draft = build_draft(spec.removeprefix("lookup+"), target, tokenizer, temperature, top_p,
-                                  generator, early_exit, pack)
-        return HybridDraft(model_draft)
-    kind, _, where = spec.partition(":") if spec.split(":")[0] in ("eagle3", "dflash") else ("", "", spec)
-    path = M.resolve_model(where)
-    if not kind and (path / "config.json").is_file():
-        config = M.read_config(path)
-        kind = draft_kind(config) if config.get("model_type") not in M.SUPPORTED or \
-            "draft_vocab_size" in config or "dflash_config" in config else ""
-    sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
-    if kind:
-        found, net = load_draft(path, target)
-        if found != kind:
-            raise ValueError(f"{path} holds a {found} draft, not {kind}")
-        if pack:  # inference only: oneDNN's layout cut an EAGLE-3 draft forward ~3.7 -> ~2.5 ms (README)
-            M.pack_for_cpu(net)
-        if early_exit == "auto":
-            early_exit = float(M.read_config(path).get("early_exit_threshold", EARLY_EXIT_DEFAULT))
-        if kind == "eagle3":
-            return Eagle3Draft(net, target.embed_tokens, target.max_seq_len, early_exit=early_exit,
-                               **sampling)
-        return DFlashDraft(net, target.embed_tokens, target.lm_head, target.max_seq_len,
-                           early_exit=early_exit, **sampling)
-    weight = target.embed_tokens.weight
-    draft_model = M.load_model(path, dtype=weight.dtype, device=weight.device)
-    if draft_model.args.vocab_size != target.args.vocab_size:
-        raise ValueError(f"draft {spec} has a vocabulary of {draft_model.args.vocab_size} tokens, "
-                         f"the target {target.args.vocab_size}: they must share a tokenizer")
-    probe = "Speculative decoding 123 ü 🙂"
-    if load_tokenizer(path).encode(probe) != tokenizer.encode(probe):
-        raise ValueError(f"draft {spec} tokenizes text differently from the target")
-    draft_model.setup_caches(1, target.max_seq_len)
-    if pack:
-        M.pack_for_cpu(draft_model)
-    return ModelDraft(draft_model, **sampling)
-
-
 def get_args(argv=None):
     ap = argparse.ArgumentParser(description="Plain and speculative decoding with a verifier of your choice.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--target", default=M.DEFAULT_TARGET,
-                    help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
+    ap.add_argument("--target", default=DEFAULT_TARGET,
+                    help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
     ap.add_argument("--draft", default=None,
                     help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, "
                          "a model name/directory sharing the target's tokenizer, or lookup+ONE OF THOSE (a "
                          "hybrid: prompt lookup where a 2-3 token match exists, the draft elsewhere). "
-                         "Default: the fastest "
-                         "configuration measured on a 2-core CPU (README): prompt lookup at T = 0, plain "
-                         "decoding at T > 0 (where lookup measured slower); with a lossy --verifier, the "
+                         "Default: prompt lookup (greedy verification at T = 0, lossless at T > 0: exact "
+                         "either way); with a lossy --verifier, the "
                          "committed EAGLE-3 draft for smollm2-135m (those verifiers mix the draft's "
                          "distribution into the target's), else lookup")
     ap.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
-                    help="'none' is plain autoregressive decoding; default: greedy at T = 0 and none at T > "
-                         "0 without --draft, greedy at T = 0 and lossless at T > 0 with one")
+                    help="'none' is plain autoregressive decoding (sampling at T > 0); default: greedy at "
+                         "T = 0, lossless at T > 0")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="tokens drafted per step")
     ap.add_argument("--early-exit", nargs="?", const="auto", default=None,
                     type=lambda v: v if v == "auto" else float(v),
@@ -410,16 +299,16 @@ def get_args(argv=None):
     ap.add_argument("--device", default=default_device())
     ap.add_argument("--dtype", default=None, choices=("int8", "float32", "bfloat16", "float16"),
                     help="the target's weights. Default: float32 on CPU, bfloat16 on CUDA. "
-                         "int8 (CPU): int8 weights and per-token int8 activations, ~1.75x fp32's one-token "
-                         "speed with a small loss in quality (README); the target then is the int8 model, "
-                         "and greedy speculative decoding reproduces its plain decoding bit for bit")
+                         "int8 (CPU): int8 weights and per-token int8 activations, fewer bytes a step to read "
+                         "at a small loss in quality (README); the target then is the int8 model, and greedy "
+                         "speculative decoding reproduces its plain decoding bit for bit")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the decode step (on CPU with weight freezing); auto = on for CUDA, off "
-                         "for CPU, where it measured 1.2x slower per token than the packed eager model and "
-                         "costs ~30 s of compiling per block length (README)")
+                         "for CPU, where inductor cannot compile the packed weights and each block length "
+                         "costs a compile")
     ap.add_argument("--no-pack", dest="pack", action="store_false",
-                    help="with --dtype float32 on CPU, keep nn.Linear weights as they are (packing them in "
-                         "oneDNN's layout is ~1.5x faster)")
+                    help="with --dtype float32 on CPU, keep nn.Linear weights as they are instead of oneDNN's "
+                         "packed layout (its small-batch matmuls read the weights at a higher bandwidth)")
     ap.add_argument("--threads", default="auto",
                     help="CPU threads; auto = one per core that is idle when decoding starts (a thread on a "
                          "core another process keeps busy stalls the others)")
@@ -427,6 +316,12 @@ def get_args(argv=None):
     args = ap.parse_args(argv)
     check_and_complete(ap, args)
     return args
+
+
+def check_temperature(value: float, flag: str = "--temperature") -> str | None:
+    if not math.isfinite(value) or value < 0:
+        return f"{flag} must be a finite number >= 0, got {value}"
+    return None
 
 
 def check_and_complete(ap, args):
@@ -437,8 +332,9 @@ def check_and_complete(ap, args):
             ap.error(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     if args.num_draft_tokens < 1:
         ap.error(f"-k must be >= 1, got {args.num_draft_tokens}")
-    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
-        ap.error(f"--threads takes auto or a whole number >= 1, got {args.threads}")
+    problem = machine_problem(args.device, args.threads, args.dtype, wants_compile(args.compile, args.device))
+    if problem:
+        ap.error(problem)
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
     if args.prompt is not None and not args.prompt.strip():
@@ -455,16 +351,18 @@ def check_and_complete(ap, args):
         print(f"note: at --temperature 0 the {args.verifier} verifier is greedy verification: it keeps "
               f"exactly the target's argmax tokens (set --temperature > 0 to see what it changes)",
               file=sys.stderr)
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        ap.error("need --temperature >= 0 and 0 < --top-p <= 1")
+    if check_temperature(args.temperature):
+        ap.error(check_temperature(args.temperature))
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must lie in (0, 1], got {args.top_p}")
     if args.verifier == "greedy" and args.temperature > 0:
         ap.error("--verifier greedy keeps the target's argmax, which is --temperature 0; at T > 0 use "
                  "lossless (or a lossy verifier)")
     committed = DEFAULT_DRAFTS.get(args.target)
     if args.draft is None and lossy:
         args.draft = str(committed) if committed is not None and committed.is_dir() else "lookup"
-    if args.draft is None and args.verifier is None and args.temperature == 0:
-        args.draft = "lookup"  # the fastest measured at T = 0 (README's Spec-Bench table)
+    if args.draft is None and args.verifier is None:
+        args.draft = "lookup"  # exact at any temperature, and ahead of plain decoding in README's table
     if args.verifier is None:
         args.verifier = "none" if args.draft is None else ("greedy" if args.temperature == 0 else "lossless")
     if args.verifier != "none" and args.draft is None:

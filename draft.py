@@ -1,43 +1,46 @@
 """
-Drafts: cheap proposers of the next k tokens. Every draft speaks the same interface, which
-decode.py's loop drives without knowing which draft it holds:
-
-    draft.target_layers            the target hidden states the draft reads (indices in model.py's
-                                   convention); () for drafts that read none
-    draft.start(prompt_ids, features)
-                                   sees the prompt; features (L-1, len(target_layers) * dim) are
-                                   the target's states at positions 0..L-2, or None
-    draft.propose(k) -> (tokens (k',), q (k', V) or None)
-                                   k' <= k guesses continuing the committed sequence, with the
-                                   distributions they were drawn from (None: deterministic);
-                                   fewer than k when the draft declines the rest
-    draft.commit(new_ids, n_accepted, features)
-                                   the verifier kept n_accepted guesses and added one token of its
-                                   own; new_ids are all of them, features the target's states at
-                                   the n_accepted + 1 positions just committed (or None). A draft
-                                   with a cache rewinds it to the part that is still valid.
+Drafts: cheap proposers of the next k tokens. Every draft speaks one interface (`Draft` below),
+which decode.py's loop drives without knowing which draft it holds.
 
 Layer indices: inside this project every list of target layers is in model.py's convention
 (hidden[i] enters layer i). Released configs name *outputs* of layers instead (EAGLE-3's
 eagle_aux_hidden_state_layer_ids, DFlash's target_layer_ids: output of layer j = hidden[j + 1]);
-the loaders below convert at the checkpoint boundary and nowhere else.
+checkpoints.py converts at the checkpoint boundary and nowhere else.
 
 This file holds prompt lookup (n-gram matching, training-free), an independent draft model (any
 model.py checkpoint sharing the target's tokenizer), and the two trained drafts with their
 verification heads: EAGLE-3 (one decoder layer over fused target features, drafting token by
-token) and DFlash (a block-diffusion drafter filling B-1 masked positions in one forward).
+token) and DFlash (a block-diffusion drafter filling B-1 masked positions in one forward), then
+two wrappers of any draft: a hybrid with prompt lookup, and an adaptive draft length.
 """
-import json
-import os
-import shutil
-import tempfile
-from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 
 import model as M
 from verify import probs_from_logits, sample
+
+
+class Draft(Protocol):
+    """What decode.py's loop needs of a draft."""
+    target_layers: tuple  # the target hidden states it reads (model.py's indices); () for none
+    forwards: int  # draft forwards run so far (lookups are none)
+    max_tokens: float  # the most guesses one propose can return (a DFlash block's size - 1; else inf)
+
+    def start(self, prompt_ids: list, features: torch.Tensor | None) -> None:
+        """Sees the prompt; features (L-1, len(target_layers) * dim) are the target's states at
+        positions 0..L-2, or None."""
+
+    def propose(self, k: int) -> tuple:
+        """(tokens (k',), q (k', V) or None): k' <= k guesses continuing the committed sequence, with
+        the distributions they were drawn from (None: deterministic); fewer than k when the draft
+        declines the rest."""
+
+    def commit(self, new_ids: list, n_accepted: int, features: torch.Tensor | None) -> None:
+        """The verifier kept n_accepted guesses and added one token of its own; new_ids are all of
+        them, features the target's states at the n_accepted + 1 positions just committed (or
+        None). A draft with a cache rewinds it to the part that is still valid."""
 
 
 def no_tokens():
@@ -48,6 +51,7 @@ class NoDraft:
     """Plain decoding: proposes nothing, so every step is one ordinary decoding step."""
     target_layers = ()
     forwards = 0
+    max_tokens = 0
 
     def start(self, prompt_ids, features=None):
         pass
@@ -63,6 +67,7 @@ class LookupDraft:
     """Prompt lookup decoding: find the most recent earlier occurrence of the last n tokens
     (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
     target_layers = ()
+    max_tokens = float("inf")
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -92,6 +97,7 @@ class ModelDraft:
     Its cache holds `cache_len` committed tokens; each propose first feeds the committed tokens it
     has not seen (one, or two after a fully accepted block) and then drafts k tokens."""
     target_layers = ()
+    max_tokens = float("inf")
 
     def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0, generator=None):
         self.model, self.temperature, self.top_p, self.generator = model, temperature, top_p, generator
@@ -218,6 +224,7 @@ class Eagle3Draft:
                  early_exit: float | None = None):
         self.net, self.embed = net, embed
         self.target_layers = net.target_layers
+        self.max_tokens = float("inf")  # one guess per forward, as many as asked
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.early_exit = early_exit
         weight = net.fc.weight
@@ -404,7 +411,7 @@ class HybridDraft:
         self.lookup = lookup or LookupDraft(max_ngram=3, min_ngram=2)
         self.model_draft = model_draft
         self.target_layers = model_draft.target_layers
-        self.max_tokens = getattr(model_draft, "max_tokens", float("inf"))  # a DFlash block's limit
+        self.max_tokens = model_draft.max_tokens  # a DFlash block's limit
         self.looked_up = self.steps = 0
 
     @property
@@ -429,215 +436,6 @@ class HybridDraft:
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: the released layouts, both ways
-
-def draft_kind(config: dict) -> str:
-    archs = " ".join(config.get("architectures") or [])
-    if "dflash_config" in config or "DFlash" in archs:
-        return "dflash"
-    if "draft_vocab_size" in config or "Eagle3" in archs:
-        return "eagle3"
-    raise M.CheckpointError(f"config.json names neither an EAGLE-3 nor a DFlash draft "
-                            f"({archs or 'no architectures'})")
-
-
-def read_draft_tensors(path: Path) -> dict:
-    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-        return M.read_safetensors(path)
-    if (path / "pytorch_model.bin").is_file():
-        try:
-            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as e:
-            first_line = str(e).splitlines()[0]
-            raise M.CheckpointError(f"corrupt pytorch_model.bin in {path}: {first_line}") from None
-    raise M.CheckpointError(f"no model.safetensors or pytorch_model.bin in {path}")
-
-
-def draft_args(config: dict) -> M.ModelArgs:
-    cfg = dict(config)
-    cfg.setdefault("model_type", "qwen3" if draft_kind(config) == "dflash" else "llama")
-    if cfg["model_type"] not in M.SUPPORTED:
-        cfg["model_type"] = "llama"
-    return M.ModelArgs.from_hf_config(cfg)
-
-
-# config flags of released drafts that change the network in ways this file does not implement:
-# a draft carrying one would load and then run with wrong logits, so it is refused instead
-UNSUPPORTED_FLAGS = {
-    "eagle3": {"fc_norm": True, "norm_output": False, "use_fc_bias": True},
-    "dflash": {"causal": True, "use_swa": True, "attention_sink_bias": True, "sample_from_anchor": True},
-}
-
-
-def check_supported(config: dict, kind: str, path: Path):
-    sections = [config, config.get("eagle_config") or {}, config.get("dflash_config") or {}]
-    for flag, bad in UNSUPPORTED_FLAGS[kind].items():
-        if any(section.get(flag) == bad for section in sections):
-            raise M.CheckpointError(f"draft {path} sets {flag}={json.dumps(bad)}, which this implementation "
-                                    f"does not support")
-    if config.get("hidden_act", "silu") != "silu":
-        raise M.CheckpointError(f"draft {path} uses hidden_act={config['hidden_act']!r}; "
-                                f"only silu is supported")
-    if kind == "eagle3" and config.get("num_hidden_layers", 1) != 1:
-        raise M.CheckpointError(f"draft {path} has {config['num_hidden_layers']} decoder layers; "
-                                f"EAGLE-3 drafts with more than one are not supported")
-
-
-def from_layer_outputs(ids) -> tuple:
-    """Released configs' layer ids (the output of layer j) -> hidden-state indices (hidden[j + 1])."""
-    return tuple(j + 1 for j in ids)
-
-
-def to_layer_outputs(layers) -> list:
-    return [i - 1 for i in layers]
-
-
-def eagle3_layers_from_config(config: dict, n_target_layer: int) -> tuple:
-    """The fused target states: eagle_config.eagle_aux_hidden_state_layer_ids (read first, as
-    SpecForge does), the same key at the top level, or EAGLE-3's default."""
-    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
-        or config.get("eagle_aux_hidden_state_layer_ids")
-    return from_layer_outputs(ids) if ids else eagle3_target_layers(n_target_layer)
-
-
-def dflash_settings(config: dict, n_draft_layer: int, path: Path):
-    """(target layers, mask token id, number of target layers) from dflash_config or, as some
-    released configs have them, the top level."""
-    dc = config.get("dflash_config") or {}
-    mask_id = dc.get("mask_token_id", config.get("mask_token_id"))
-    if not isinstance(mask_id, int) or isinstance(mask_id, bool):
-        raise M.CheckpointError(f"DFlash draft {path} names no mask_token_id (in dflash_config or at the top "
-                                f"level): its blocks cannot be filled")
-    n_target = config.get("num_target_layers")
-    ids = dc.get("target_layer_ids") or config.get("target_layer_ids")
-    if ids:
-        return from_layer_outputs(ids), mask_id, n_target
-    if not n_target:
-        raise M.CheckpointError(f"DFlash draft {path} names neither target_layer_ids nor num_target_layers")
-    return dflash_target_layers(n_target, n_draft_layer), mask_id, n_target  # DFlash's own default
-
-
-def check_matches_target(path: Path, target: M.Transformer, target_dim: int, layers, n_target):
-    """A draft trained for another target loads fine and then fails mid-run: compare what it
-    recorded about its target (vocabulary is checked by the caller) before anything runs."""
-    t = target.args
-    if target_dim != t.dim:
-        raise M.CheckpointError(f"draft {path} was trained on a target of hidden size {target_dim}; "
-                                f"this target has {t.dim}")
-    if n_target and n_target != t.n_layer:
-        raise M.CheckpointError(f"draft {path} was trained on a target of {n_target} layers; "
-                                f"this one has {t.n_layer}")
-    if any(not 0 <= i <= t.n_layer for i in layers):
-        raise M.CheckpointError(f"draft {path} reads target hidden states {list(layers)}; this target has "
-                                f"only {t.n_layer} layers")
-
-
-def load_draft(path, target: M.Transformer, dtype=None, device=None):
-    """An EAGLE-3 or DFlash checkpoint directory -> (kind, network) matched to the target.
-    Every tensor must be one the network uses, and every config flag one it implements."""
-    path = Path(path)
-    config = M.read_config(path)
-    kind = draft_kind(config)
-    check_supported(config, kind, path)
-    args = draft_args(config)
-    p = target.embed_tokens.weight
-    dtype, device = dtype or p.dtype, device or p.device
-    sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in read_draft_tensors(path).items()}
-    sd = M.fuse_hf(sd)
-    if args.vocab_size != target.args.vocab_size:
-        raise M.CheckpointError(f"draft {path} is for a vocabulary of {args.vocab_size}, the target has "
-                                f"{target.args.vocab_size}")
-    with torch.device("meta"):
-        if kind == "eagle3":
-            target_dim = config.get("target_hidden_size", target.args.dim)
-            layers = eagle3_layers_from_config(config, target.args.n_layer)
-            check_matches_target(path, target, target_dim, layers, None)
-            net = Eagle3(args, target_dim, config.get("draft_vocab_size") or args.vocab_size, layers)
-        else:
-            layers, mask_id, n_target = dflash_settings(config, args.n_layer, path)
-            check_matches_target(path, target, config.get("target_hidden_size", target.args.dim),
-                                 layers, n_target)
-            net = DFlash(args, target.args.dim, layers, config.get("block_size", 16), mask_id)
-    expected = net.state_dict()
-    if "verify_head.weight" not in sd:  # released drafts have no verification head: start it neutral
-        sd["verify_head.weight"] = torch.zeros(1, args.dim)
-        sd["verify_head.bias"] = torch.full((1,), 10.0)  # sigmoid ~ 1: never triggers early exit
-    if kind == "eagle3" and "d2t" not in sd:  # a full-vocabulary draft
-        sd["d2t"] = torch.zeros(expected["d2t"].shape, dtype=torch.long)
-        sd["t2d"] = torch.ones(expected["t2d"].shape, dtype=torch.bool)
-    sd.pop("embed_tokens.weight", None)  # EAGLE-3 may carry a copy of the target's; we use the target's
-    unexpected = sorted(set(sd) - set(expected))
-    if unexpected:
-        raise M.CheckpointError(f"draft {path} holds tensor {unexpected[0]} that this {kind} network "
-                                f"does not use ({len(unexpected)} unexpected): refusing rather than "
-                                f"running without it")
-    for key, t in expected.items():
-        if key not in sd:
-            raise M.CheckpointError(f"draft checkpoint {path} lacks tensor {key}")
-        if sd[key].shape != t.shape:
-            raise M.CheckpointError(f"draft tensor {key} in {path} has shape {tuple(sd[key].shape)}, "
-                                    f"expected {tuple(t.shape)}")
-    sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in sd.items()}
-    net.load_state_dict(sd, assign=True)
-    return kind, net.eval()
-
-
-def write_draft_files(net, folder: Path, target_args: M.ModelArgs, extra_config: dict | None = None,
-                      dtype=torch.bfloat16):
-    """config.json and model.safetensors of a draft, in the released layout (HF names, unfused),
-    into an existing folder."""
-    from safetensors.torch import save_file
-    a = net.args
-    config = {"hidden_size": a.dim, "intermediate_size": a.intermediate_size, "num_attention_heads": a.n_head,
-              "num_key_value_heads": a.n_kv_head, "head_dim": a.head_dim, "num_hidden_layers": a.n_layer,
-              "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
-              "max_position_embeddings": a.max_position_embeddings,
-              "vocab_size": a.vocab_size, "tie_word_embeddings": False,
-              "torch_dtype": str(dtype).replace("torch.", "")}
-    if isinstance(net, Eagle3):
-        config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
-                      draft_vocab_size=net.lm_head.out_features, target_hidden_size=target_args.dim,
-                      eagle_config={"eagle_aux_hidden_state_layer_ids": to_layer_outputs(net.target_layers)})
-    else:
-        config.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=net.block_size,
-                      num_target_layers=target_args.n_layer, target_hidden_size=target_args.dim,
-                      dflash_config={"target_layer_ids": to_layer_outputs(net.target_layers),
-                                     "mask_token_id": net.mask_token_id})
-    config.update(extra_config or {})
-    sd = M.unfuse_to_hf({k: v.detach().cpu() for k, v in net.state_dict().items()}, a)
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
-    save_file(sd, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-
-
-def save_draft(net, path, target_args: M.ModelArgs, extra_config: dict | None = None, dtype=torch.bfloat16):
-    """Write a draft directory atomically: a temporary directory, renamed into place once whole."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=path.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would keep the draft from other users
-    try:
-        write_draft_files(net, tmp, target_args, extra_config, dtype)
-        replace_directory(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def replace_directory(new: Path, path: Path):
-    """Move the complete directory `new` to `path`. An older `path` is first renamed aside, so a
-    kill in between leaves it under <path>.old, never half-deleted."""
-    if path.exists():
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        path.rename(old)
-        new.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        new.rename(path)
-
-
-# -----------------------------------------------------------------------------
 # Adaptive draft length: draft long where guesses are kept, pause where none are
 
 class AdaptiveDraft:
@@ -651,7 +449,7 @@ class AdaptiveDraft:
     def __init__(self, draft):
         self.draft = draft
         self.target_layers = draft.target_layers
-        self.max_tokens = getattr(draft, "max_tokens", float("inf"))
+        self.max_tokens = draft.max_tokens
         self.length = None  # set from the first step's k
         self.misses = self.paused = 0
         self.next_pause = 1

@@ -20,8 +20,8 @@ closed form (verify.induced for a drafted position, verify.own_distribution for 
 the run reports its total-variation distance and KL divergence from the target's p, averaged over
 the tokens of the real trajectories. This separates verifiers even where accuracy cannot.
 
-    python lossy.py                              # graded arithmetic, default target, ~1 h on 2 cores
-    python lossy.py --problems 600               # 5-point power (README), ~4 h; rerun to continue
+    python lossy.py                              # graded arithmetic, default target
+    python lossy.py --problems 600               # power for 5-point differences (README); rerun to continue
     python lossy.py --tasks gsm8k,humaneval --target qwen3-4b --draft eagle3:PATH --temperature 1
 
 Each finished problem is appended to OUT.problems.jsonl, so an interrupted run continues where it
@@ -45,14 +45,13 @@ import torch
 from tqdm import tqdm
 
 import model as M
+from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, default_device,
+                        load_target, machine_problem, pick_threads, resolve_model, target_weights)
 from bench import shown, unwritable, write_results
-from decode import (DEFAULT_DRAFTS, build_draft, default_device, generate, load_target, pick_threads, read_jsonl,
-                    repo_path, target_weights)
+from decode import generate, read_jsonl, repo_path
 from sandbox import SandboxError, check_sandbox, run_untrusted
 from verify import Verifier, induced, own_distribution
 
-ROOT = Path(__file__).resolve().parent
-DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
 GSM8K_DRAFT = ROOT / "drafts" / "smollm2-135m-eagle3-gsm8k"  # the strongest draft for answers with numbers
 
 # The sweep: at least four settings per lossy family, from near the target to lenient, next to
@@ -81,8 +80,8 @@ CONFIGS = {config_label(v): v for v in SWEEP}
 # -----------------------------------------------------------------------------
 # Tasks
 
-# Levels of "What is a + b?", easiest first. Plain sampling of the default target scored 65%, 31%,
-# 30% and 19% on them at T = 0.5, and 31%, 15%, 4% and 0% at T = 1 (README), hence T = 0.5.
+# Levels of "What is a + b?", easiest first. At T = 0.5 the default target's plain sampling solves
+# a fair share of each level; at T = 1 it rarely solves the harder ones (docs/RESULTS.md), hence 0.5.
 LEVELS = {
     "1-digit + 1-digit": lambda rng: (rng.randint(1, 9), rng.randint(1, 9)),
     "tens + tens": lambda rng: (10 * rng.randint(1, 9), 10 * rng.randint(1, 9)),
@@ -241,21 +240,38 @@ def problems_log(out: Path) -> Path:
 
 
 def read_partial(path: Path, fingerprint: dict) -> dict:
-    """The problems a previous run with the same configuration finished, by id."""
+    """The problems a previous run with the same configuration finished, by id. A last line cut
+    off by a stopped run is removed from the file, so that the next record starts a line of its
+    own; any other line that is not a problem's record is an error naming the line."""
     if not path.is_file():
         return {}
-    lines = path.read_text().splitlines()
+    raw = path.read_bytes()
+    if raw and not raw.endswith(b"\n"):  # the line being written when the run was stopped
+        raw = raw[:raw.rfind(b"\n") + 1]
+        with path.open("r+b") as f:
+            f.truncate(len(raw))
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a problems log (not UTF-8 at byte {e.start}); pass another --out, or "
+                         f"delete it to start over") from None
     if not lines:  # stopped before its first problem finished
         return {}
-    if json.loads(lines[0]) != {"config": fingerprint}:
-        raise ValueError(f"{path} holds a run with other settings; pass another --out, or delete it "
-                         f"to start over")
     done = {}
-    for line in lines[1:]:
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:  # the line being written when the run was stopped
+        except json.JSONDecodeError:
+            record = None
+        if number == 1:
+            if record != {"config": fingerprint}:
+                raise ValueError(f"{path} holds a run with other settings (or is not a problems log); pass "
+                                 f"another --out, or delete it to start over")
             continue
+        if not (isinstance(record, dict) and isinstance(record.get("id"), str)
+                and isinstance(record.get("runs"), dict)):
+            raise ValueError(f"{path} line {number} is not a problem's record; delete that line (or the file) "
+                             f"and rerun")
         done[record["id"]] = record
     return done
 
@@ -554,8 +570,8 @@ def get_args(argv=None):
     ap = argparse.ArgumentParser(description="The lossy-verification experiment: block efficiency, accuracy "
                                              "and distortion of every verifier, paired on the same problems.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--target", default=M.DEFAULT_TARGET,
-                    help=f"model name ({', '.join(M.HF_REPOS)}) or a Hugging Face model directory")
+    ap.add_argument("--target", default=DEFAULT_TARGET,
+                    help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
     ap.add_argument("--draft", default=None,
                     help="the draft, as decode.py's --draft takes it; the in-domain GSM8K draft for the default "
                          "target (prompt lookup is no fair draft for short answers)")
@@ -589,6 +605,9 @@ def check_and_complete(ap, args):
         ap.error("--tasks takes arithmetic, gsm8k and/or humaneval")
     if args.problems < 1 or args.num_draft_tokens < 1:
         ap.error("--problems and -k must be >= 1")
+    problem = machine_problem(args.device, "auto", None)
+    if problem:
+        ap.error(problem)
     if not 0 < args.temperature <= 2:
         ap.error(f"--temperature must lie in (0, 2]: lossy verifiers act on sampling, got {args.temperature}")
     args.configs = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",")]
@@ -600,7 +619,7 @@ def check_and_complete(ap, args):
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
     if args.draft is None:
-        args.draft = GSM8K_DRAFT if args.target == M.DEFAULT_TARGET and GSM8K_DRAFT.is_dir() else \
+        args.draft = GSM8K_DRAFT if args.target == DEFAULT_TARGET and GSM8K_DRAFT.is_dir() else \
             DEFAULT_DRAFTS.get(args.target)
         if args.draft is None:
             ap.error(f"no committed draft for {args.target}: pass --draft")
@@ -627,7 +646,7 @@ def check_and_complete(ap, args):
 def main(argv=None):
     args = get_args(argv)
     problems = load_problems(args.tasks, args.problems, args.seed)
-    M.resolve_model(args.target)  # missing weights: one line now, not from inside the workers
+    resolve_model(args.target)  # missing weights: one line now, not from inside the workers
     t0 = time.time()
     records = run_all(args, problems)
     summary = summarize(records, args.configs)

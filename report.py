@@ -29,9 +29,9 @@ import torch
 
 import bench
 import model as M
-from decode import load_target, pick_threads, prompt_text, read_jsonl
+from checkpoints import DATA, DEFAULT_TARGET, ROOT, load_target, pick_threads, resolve_model, write_atomically
+from decode import prompt_text, read_jsonl
 
-ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "docs" / "results.json"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -63,9 +63,9 @@ def task_prompts(task: str, limit: int, tokenizer) -> list:
     """[(category, chat-encoded ids)]: one Spec-Bench question per category, or the last GSM8K
     test questions (`limit` of them)."""
     if task == "Spec-Bench":
-        chosen = bench.load_prompts(ROOT / "data" / "spec_bench_questions.jsonl", None, 1)[:limit]
+        chosen = bench.load_prompts(DATA / "spec_bench_questions.jsonl", None, 1)[:limit]
     else:
-        chosen = [("gsm8k", prompt_text(r)) for _, r in read_jsonl(ROOT / "data" / "gsm8k_test.jsonl")[-limit:]]
+        chosen = [("gsm8k", prompt_text(r)) for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")[-limit:]]
     return [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in chosen]
 
 
@@ -77,7 +77,7 @@ def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> list
             name = "baseline" if (weights, spec) == ("fp32", None) else label
             if peer:
                 runs.append(bench.Run(f"{name} T={t:g}", t, peer=bench.hf_peer(
-                    M.resolve_model(M.DEFAULT_TARGET), "generate", k)))
+                    resolve_model(DEFAULT_TARGET), "generate", k)))
                 continue
             target = targets[weights]
             draft = None if spec is None else bench.make_draft(spec, target, tokenizer, t, generator)
@@ -89,7 +89,7 @@ def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> dict:
     """Load the target in each weight layout, run every table, and return the results file."""
     targets = {}
     for key, weights in WEIGHTS.items():
-        targets[key], tokenizer = load_target(M.DEFAULT_TARGET, "cpu", weights, 4096)
+        targets[key], tokenizer = load_target(DEFAULT_TARGET, "cpu", weights, 4096)
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for task, (table, limit) in tasks.items():
@@ -136,7 +136,7 @@ def write_readme_table(results: dict, readme: Path):
         raise ValueError(f"{readme} has no {BEGIN} ... {END} markers to write the results between")
     head, rest = text.split(BEGIN, 1)
     tail = rest.split(END, 1)[1]
-    bench.write_atomically(readme, head + render(results) + tail)
+    write_atomically(readme, head + render(results) + tail)
 
 
 def main(argv=None):

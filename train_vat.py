@@ -24,12 +24,9 @@ Verification-Aware Training (VAT) of EAGLE-3 and DFlash drafts, and their plain 
 import argparse
 import json
 import math
-import os
 import random
-import re
 import shutil
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -39,15 +36,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import model as M
+from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_dirs, default_device, latest_checkpoint,
+                         load_target, machine_problem, save_checkpoint, start_processes)
 from corpus import (DEFAULT_DATA, Corpus, batches, build_corpus, build_dataset, corpus_batches, corpus_layers,
-                    draft_vocabulary, length_groups, write_atomically)
-from decode import default_device, generate, repo_path
-from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers,
-                   eagle3_target_layers, load_draft, replace_directory, write_draft_files)
-from tokenizer import load_tokenizer
+                    data_sources, draft_vocabulary, length_groups)
+from decode import generate, repo_path
+from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers, eagle3_target_layers)
 from verify import Verifier
 
-ROOT = Path(__file__).resolve().parent
 
 
 # -----------------------------------------------------------------------------
@@ -352,9 +348,8 @@ def get_args(argv=None):
         epilog="Machine-dependent defaults (None above): on CUDA "
                + ", ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items())
                + "; on CPU " + ", ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items())
-               + " (the committed general draft's recipe: about 15 minutes of data generation the first time, "
-                 "then a few minutes of training on 2 cores). --quick is a 2-step smoke run on 12 prompts.")
-    ap.add_argument("--target", default=M.DEFAULT_TARGET, help=f"name ({', '.join(M.HF_REPOS)}) or directory")
+               + " (the committed general draft's recipe). --quick is a 2-step smoke run on 12 prompts.")
+    ap.add_argument("--target", default=DEFAULT_TARGET, help=f"name ({', '.join(HF_REPOS)}) or directory")
     ap.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"))
     ap.add_argument("--objective", default="vat", choices=("vat", "baseline"),
                     help="vat: the parts in --vat-parts; baseline: the plain EAGLE-3/DFlash loss")
@@ -369,8 +364,7 @@ def get_args(argv=None):
     ap.add_argument("--data", default=",".join(DEFAULT_DATA + ["self"]),
                     help="comma-separated prompt jsonl files; 'self' adds prompts the target writes (Magpie)")
     ap.add_argument("--num-prompts", type=int, default=600, help="prompts taken from the files (0: all)")
-    ap.add_argument("--self-prompts", type=int, default=300,
-                    help="self-written prompts, with 'self' in --data")
+    ap.add_argument("--self-prompts", type=int, default=300, help="self-written prompts, with 'self' in --data")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--response-tokens", type=int, default=160, help="tokens per regenerated response")
     ap.add_argument("--gen-batch", type=int, default=48, help="prompts per batched target generation")
@@ -381,32 +375,26 @@ def get_args(argv=None):
     ap.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 unrolled training-time-test steps K")
     ap.add_argument("--block-size", type=int, default=16, help="DFlash block size")
     ap.add_argument("--blocks-per-seq", type=int, default=4, help="DFlash random anchors per sequence")
-    ap.add_argument("--draft-layers", type=int, default=None,
-                    help="DFlash layers (default 5, 2 for small targets)")
+    ap.add_argument("--draft-layers", type=int, default=None, help="DFlash layers (default 5, 2 for small targets)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--time-budget", type=float, default=None, help="stop training after this many minutes")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50, help="linear warm-up steps (0: none)")
-    ap.add_argument("--eval-every", type=int, default=None,
-                    help="steps between real-tau evaluations (0: never)")
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between real-tau evaluations (0: never)")
     ap.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for real tau")
     ap.add_argument("--eval-k", type=int, default=7)
     ap.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
-    ap.add_argument("--out", default=None,
-                    help="output directory (default runs/<target>-<draft>-<objective>)")
-    ap.add_argument("--resume", action="store_true",
-                    help="continue from the last complete checkpoint in --out")
-    ap.add_argument("--cache-dir", default=str(M.cache_dir() / "train"),
-                    help="where regenerated responses are cached")
+    ap.add_argument("--out", default=None, help="output directory (default runs/<target>-<draft>-<objective>)")
+    ap.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
+    ap.add_argument("--cache-dir", default=str(cache_dir() / "train"), help="where regenerated responses are cached")
     ap.add_argument("--features", default=None, choices=("captured", "on-the-fly"),
                     help="captured: keep the target's features and log-probs from response generation on "
                          "disk (fp16, ~(layers+1)*dim*2 bytes a token; training never runs the target); "
                          "on-the-fly: a target forward every step (for large targets)")
     ap.add_argument("--prepare-only", action="store_true", help="build (and cache) the data, then stop")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 12 prompts, 2 steps (a few minutes on a CPU)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 12 prompts, 2 steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=default_device())
     args = ap.parse_args(argv)
@@ -444,14 +432,17 @@ def check_settings(ap, args):
         ap.error("need --block-size >= 2, --lr > 0 and --beta >= 0")
     if args.time_budget is not None and not args.time_budget > 0:
         ap.error("--time-budget must be > 0 minutes")
+    problem = machine_problem(args.device, "auto", None)
+    if problem:
+        ap.error(problem)
     if args.objective == "baseline" and args.vat_parts is not None:
         ap.error("--vat-parts applies to --objective vat")
     args.vat_parts = [p for p in (args.vat_parts or ",".join(VAT_PARTS)).split(",") if p]
     if not args.vat_parts or any(p not in VAT_PARTS for p in args.vat_parts):
         ap.error(f"--vat-parts takes a comma-separated subset of {','.join(VAT_PARTS)}")
-    files = [p for p in args.data.split(",") if p and p != "self"]
+    files, n_self = data_sources(args.data, args.self_prompts)
     from_files = (args.num_prompts or 10 ** 9) if files else 0  # 0 takes every prompt: count unknown yet
-    n_prompts = from_files + (args.self_prompts if "self" in args.data.split(",") else 0)
+    n_prompts = from_files + n_self
     if args.eval_prompts >= n_prompts:
         ap.error(f"--eval-prompts {args.eval_prompts} would hold out all {n_prompts} prompts")
     for path in files:
@@ -463,10 +454,8 @@ def announce_defaults(args):
     """Say up front what a CPU run will cost: the defaults must not start a 10-hour job unasked."""
     if args.device == "cpu" and not args.quick:
         print(f"CPU run: {args.steps} steps of batch {args.batch_size} x {args.seq_len} tokens (draft "
-              f"vocabulary {args.draft_vocab}); with the defaults about 15 minutes of data generation the "
-              f"first time, then a few minutes of training on 2 cores. The progress bars show the ETA; "
-              f"--time-budget caps it.",
-              file=sys.stderr)
+              f"vocabulary {args.draft_vocab}), after the target generates the training data the first time "
+              f"(cached for later runs). The progress bars show the ETA; --time-budget caps it.", file=sys.stderr)
 
 
 GRAD_CLIP = 0.5  # EAGLE's training configs clip the gradient norm at 0.5
@@ -508,27 +497,6 @@ def build_draft_net(args, target, data):
     return net
 
 
-def start_processes(args):
-    """(device, rank, world): one process, or one of several launched by torchrun (DDP)."""
-    if "RANK" not in os.environ:
-        return args.device, 0, 1
-    import torch.distributed as dist
-    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-    device = args.device
-    if device.startswith("cuda"):
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        torch.cuda.set_device(device)
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-def load_frozen_target(args, device):
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    target_dir = M.resolve_model(args.target)
-    target = M.load_model(target_dir, dtype=dtype, device=device)
-    target.setup_caches(args.gen_batch, args.max_prompt_tokens + args.response_tokens)
-    return M.pack_for_cpu(target), load_tokenizer(target_dir)
-
-
 def draft_to_train(args, target, data, device):
     """(draft, optimizer, step, log, rng state): the newest checkpoint's with --resume, else new."""
     resumed = latest_checkpoint(args.out, target) if args.resume else None
@@ -558,18 +526,16 @@ def learning_rate(args, step: int) -> float:
 def main(argv=None):
     args = get_args(argv)
     announce_defaults(args)
-    device, rank, world = start_processes(args)
+    device, rank, world = start_processes(args.device)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed + rank)
-    master = rank == 0
 
     # data: prompts, the target's own responses, a few held out for the real-tau check
-    target, tokenizer = load_frozen_target(args, device)
+    target, tokenizer = load_target(args.target, device, "packed" if device == "cpu" else "bfloat16",
+                                    args.max_prompt_tokens + args.response_tokens)
+    target.setup_caches(args.gen_batch, args.max_prompt_tokens + args.response_tokens)
     corpus = Corpus(*build_corpus(target, tokenizer, args)) if args.features == "captured" else None
-    if corpus:
-        data = [corpus.sequence(i) for i in range(len(corpus))]
-    else:
-        data = build_dataset(target, tokenizer, args)
+    data = [corpus.sequence(i) for i in range(len(corpus))] if corpus else build_dataset(target, tokenizer, args)
     if args.prepare_only:
         print(json.dumps({"sequences": len(data), "tokens": sum(len(ids) for ids, *_ in data),
                           "response_tokens": sum(len(ids) - start for ids, start, _ in data)}))
@@ -578,7 +544,6 @@ def main(argv=None):
         raise ValueError(f"--eval-prompts {args.eval_prompts} leaves nothing to train on: the data holds "
                          f"{len(data)} sequences")
     held_out, data = data[:args.eval_prompts], data[args.eval_prompts:]
-    eval_texts = [text for _, _, text in held_out]
 
     # model: the draft (new or resumed) and its loss; the target stays frozen beside it
     net, opt, step, log, rng_state = draft_to_train(args, target, data, device)
@@ -588,17 +553,31 @@ def main(argv=None):
     model = DraftLoss(net, target, args)
     if world > 1:  # gradients of the draft are averaged across processes; the target is never all-reduced
         model = torch.nn.parallel.DistributedDataParallel(model)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
-    if corpus:  # whole sequences of similar length, as many as fit batch_size * seq_len padded tokens
-        train = range(args.eval_prompts, len(corpus))
-        epoch = len(length_groups(corpus, train, args.batch_size * args.seq_len, args.seq_len))
-        print(f"corpus: {len(train)} training sequences, {corpus.response_tokens()} response tokens; "
-              f"one epoch is {epoch} steps of up to {args.batch_size * args.seq_len} tokens", file=sys.stderr)
-        stream = corpus_batches(corpus, train, args.batch_size * args.seq_len, args.seq_len, rng)
-    else:
-        stream = batches(data, args.batch_size, args.seq_len, rng)
+    stream = batch_stream(args, corpus, data, rng)
+    train(args, model, net, target, opt, step, log, stream, rng, tokenizer, [text for _, _, text in held_out],
+          rank == 0)
+    if world > 1:
+        torch.distributed.destroy_process_group()
 
-    # the loop, with the periodic real-tau check and checkpoints
+
+def batch_stream(args, corpus, data: list, rng: random.Random):
+    """Training batches: from the corpus, whole sequences of similar length, as many as fit
+    batch_size * seq_len padded tokens; else fixed-size batches of the regenerated data."""
+    if corpus is None:
+        return batches(data, args.batch_size, args.seq_len, rng)
+    train_rows = range(args.eval_prompts, len(corpus))
+    epoch = len(length_groups(corpus, train_rows, args.batch_size * args.seq_len, args.seq_len))
+    print(f"corpus: {len(train_rows)} training sequences, {corpus.response_tokens()} response tokens; "
+          f"one epoch is {epoch} steps of up to {args.batch_size * args.seq_len} tokens", file=sys.stderr)
+    return corpus_batches(corpus, train_rows, args.batch_size * args.seq_len, args.seq_len, rng)
+
+
+def train(args, model, net, target, opt, step: int, log: list, stream, rng, tokenizer, eval_texts: list,
+          master: bool):
+    """The loop from `step` to args.steps (or the time budget), with the periodic real-tau check
+    and checkpoints. `model` is the draft's loss (DDP-wrapped with several processes) around
+    `net`. A non-finite loss stops the loop before the draft is touched or saved."""
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if target.embed_tokens.weight.is_cuda else nullcontext()
     t0, trained_tokens = time.time(), 0
     bar = tqdm(total=args.steps, initial=step, desc=f"{args.draft} {args.objective}", file=sys.stderr,
                disable=not master)
@@ -608,7 +587,10 @@ def main(argv=None):
             group["lr"] = lr
         with autocast:
             batch = next(stream)
-            loss, stats = model(*[x.to(device) for x in batch])
+            loss, stats = model(*[x.to(target.embed_tokens.weight.device) for x in batch])
+        if not torch.isfinite(loss):  # a damaged corpus or a diverging run: stop before it spoils the draft
+            raise ValueError(f"the loss is {loss.item()} at step {step + 1}; nothing after the last checkpoint "
+                             f"was saved (a lower --lr, or a corpus generated again, may help)")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), GRAD_CLIP)
@@ -633,14 +615,10 @@ def main(argv=None):
             tqdm.write(f"time budget of {args.time_budget} min reached at step {step}", file=sys.stderr)
             break
     bar.close()
-    if master:
-        print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step,
-                          "minutes": (time.time() - t0) / 60,
-                          # response tokens trained on per second, evaluations included
+    if master:  # response tokens trained on per second, evaluations included
+        print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step, "minutes": (time.time() - t0) / 60,
                           "response_tokens_per_s": trained_tokens / (time.time() - t0),
                           "final": log[-1] if log else None}))
-    if world > 1:
-        torch.distributed.destroy_process_group()
 
 
 class DraftLoss(torch.nn.Module):
@@ -655,79 +633,6 @@ class DraftLoss(torch.nn.Module):
         loss = eagle3_loss if isinstance(self.net, Eagle3) else dflash_loss
         return loss(self.net, self.frozen[0], batch, self.args)
 
-
-# -----------------------------------------------------------------------------
-# Checkpoints: one directory per checkpoint, whole or absent
-#
-#   out/step-000150/   config.json + model.safetensors (the draft, released layout, step inside),
-#                      train_state.pt (optimizer and RNG, plain tensors: loads with weights_only),
-#                      log.jsonl (every step's statistics up to 150)
-#   out/checkpoint ->  step-000150, the newest (what decode.py --draft takes)
-#
-# A checkpoint is written under a temporary name and renamed into place, so a kill at any moment
-# leaves every earlier checkpoint complete; --resume takes the newest one that loads.
-
-KEEP_CHECKPOINTS = 2
-
-
-def save_checkpoint(out: Path, net, target_args, step: int, opt, rng: random.Random, log: list,
-                    vat_info: dict):
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-step-", dir=out))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would keep the checkpoint from other users
-    try:
-        write_draft_files(net, tmp, target_args, {"vat": {**vat_info, "step": step}}, dtype=torch.float32)
-        version, internal, gauss = rng.getstate()
-        torch.save({"step": step, "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                    "rng": [version, list(internal), gauss]}, tmp / "train_state.pt")
-        (tmp / "log.jsonl").write_text("".join(json.dumps(s) + "\n" for s in log))
-        replace_directory(tmp, out / f"step-{step:06d}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    link = out / ".checkpoint-link"
-    link.unlink(missing_ok=True)
-    link.symlink_to(f"step-{step:06d}")
-    os.replace(link, out / "checkpoint")  # atomic: the link names the old checkpoint or the new one
-    for old in checkpoint_dirs(out)[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
-    write_atomically(out / "log.jsonl", "".join(json.dumps(s) + "\n" for s in log))  # for reading
-
-
-def latest_checkpoint(out: Path, target):
-    """(draft, training state, log) of the newest checkpoint in `out` that loads completely, or None.
-    A damaged or tampered one is skipped with a warning: train_state.pt loads with weights_only,
-    so a file that would run code on unpickling is refused rather than executed."""
-    M.remove_stale_temporaries(out)
-    for folder in reversed(checkpoint_dirs(out)):
-        try:
-            _, net = load_draft(folder, target, dtype=torch.float32)
-            state = torch.load(folder / "train_state.pt", weights_only=True)
-            step = M.read_config(folder)["vat"]["step"]
-            if not state["step"] == step == int(folder.name.split("-")[1]):
-                raise ValueError(f"steps disagree: folder {folder.name}, weights {step}, "
-                                 f"state {state['step']}")
-            return net, state, read_log(folder / "log.jsonl")[:step]
-        except Exception as e:  # any damage means: not this one
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            print(f"warning: skipping checkpoint {folder}: {reason}", file=sys.stderr)
-    return None
-
-
-def checkpoint_dirs(out: Path) -> list:
-    """The step-NNNNNN directories in `out`, oldest first."""
-    return sorted(p for p in out.glob("step-*") if re.fullmatch(r"step-\d{6}", p.name) and p.is_dir())
-
-
-def read_log(path: Path) -> list:
-    """The statistics of log.jsonl, up to the first line that does not parse (a cut-off write)."""
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            print(f"warning: {path} is cut off after {len(out)} steps", file=sys.stderr)
-            break
-    return out
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoints as CK
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import model as M  # noqa: E402
@@ -76,7 +78,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    return M.resolve_model("smollm2-135m")
+    return CK.resolve_model("smollm2-135m")
 
 
 # random EAGLE-3 and DFlash drafts over a target (non-trivial norms and biases: a path that ignores one fails)

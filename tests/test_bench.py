@@ -10,8 +10,8 @@ import torch
 
 import bench
 import model as M
+from checkpoints import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_quick_run_is_consistent(tmp_path):

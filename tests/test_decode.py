@@ -3,21 +3,21 @@ sequence distribution, stop tokens and token budgets are exact, and the CLI repo
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+import checkpoints as CK
 import model as M
-from decode import compile_step, generate
+from checkpoints import ROOT, compile_step
+from decode import generate
 from draft import LookupDraft, ModelDraft
 from verify import Verifier, probs_from_logits
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def load(path, batch=1, int8=False):
-    m = M.load_model(path)
+    m = CK.load_model(path)
     m.setup_caches(batch, 256)
     return M.quantize_int8(m) if int8 else m
 
@@ -147,7 +147,7 @@ def test_default_target_prompt_lookup(smollm2_dir):
 def test_default_target_in_int8_decodes_exactly_like_itself(smollm2_dir):
     """The int8 default target: greedy lookup speculation reproduces its own plain decoding bit for
     bit (verification blocks attend row by row, and the int8 matmuls are exact per row)."""
-    from decode import load_target
+    from checkpoints import load_target
     from tokenizer import load_tokenizer
     target, tokenizer = load_target(str(smollm2_dir), "cpu", "int8", 512)
     ids = tokenizer.encode_chat([{"role": "user", "content": "Repeat the following list exactly, one item per "
@@ -160,14 +160,16 @@ def test_default_target_in_int8_decodes_exactly_like_itself(smollm2_dir):
 
 
 def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
-    from decode import DEFAULT_DRAFTS, get_args
+    from checkpoints import DEFAULT_DRAFTS
+    from decode import get_args
     a = get_args([])
-    assert (a.draft, a.verifier, a.temperature) == ("lookup", "greedy", 0.0)  # the fastest measured at T = 0
+    assert (a.draft, a.verifier, a.temperature) == ("lookup", "greedy", 0.0)
     a = get_args(["--temperature", "1"])
-    assert (a.draft, a.verifier) == (None, "none")  # lookup measured slower than plain at T = 1
+    assert (a.draft, a.verifier) == ("lookup", "lossless")  # exact, and ahead of plain sampling in the report
+    assert get_args(["--temperature", "1", "--verifier", "none"]).draft is None
     assert capsys.readouterr().err == ""
     a = get_args(["--verifier", "overshoot"])
-    assert a.temperature == 1.0 and a.draft == str(DEFAULT_DRAFTS[M.DEFAULT_TARGET])
+    assert a.temperature == 1.0 and a.draft == str(DEFAULT_DRAFTS[CK.DEFAULT_TARGET])
     assert "--temperature defaults to 1" in capsys.readouterr().err
     a = get_args(["--verifier", "minp", "--temperature", "0", "--draft", "lookup"])
     assert a.temperature == 0.0 and "is greedy verification" in capsys.readouterr().err
@@ -210,7 +212,7 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
 def test_auto_threads_leave_a_busy_core_alone():
     """--threads auto counts the cores nothing else uses: a busy process beside us takes one away."""
     import os
-    from decode import pick_threads
+    from checkpoints import pick_threads
     assert pick_threads("3") == 3
     if (os.cpu_count() or 1) < 2 or torch.get_num_threads() < 2:
         pytest.skip("needs two cores")

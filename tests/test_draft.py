@@ -5,11 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpoints as CK
 import model as M
+from checkpoints import load_draft, save_draft
 import train_vat as TV
 from decode import generate
-from draft import (DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, dflash_mask,
-                   dflash_target_layers, eagle3_target_layers, load_draft, save_draft)
+from draft import (DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, dflash_mask, dflash_target_layers, eagle3_target_layers)
 from verify import Verifier
 
 from conftest import dflash_net, eagle3_net  # noqa: E402
@@ -17,7 +18,7 @@ from conftest import dflash_net, eagle3_net  # noqa: E402
 
 @pytest.fixture(scope="module")
 def target(tiny_dir):
-    m = M.load_model(tiny_dir("qwen3_untied"))
+    m = CK.load_model(tiny_dir("qwen3_untied"))
     m.setup_caches(1, 128)
     return m
 
@@ -92,7 +93,7 @@ def test_dflash_greedy_speculative_equals_plain(target):
 def released_eagle3(path, target, fmt):
     """A checkpoint with exactly the names, shapes and config of the published EAGLE-3 drafts."""
     net = eagle3_net(target)
-    sd = M.unfuse_to_hf({k: v for k, v in net.state_dict().items() if not k.startswith("verify_head")}, net.args)
+    sd = CK.unfuse_to_hf({k: v for k, v in net.state_dict().items() if not k.startswith("verify_head")}, net.args)
     sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "midlayer.mlp.gate_proj.weight",
             "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(sd)
@@ -318,10 +319,10 @@ def test_every_committed_draft_loads_for_the_default_target_and_stays_small(smol
     """drafts/: each committed draft loads exactly for the target it was trained on (a stray or
     missing tensor is an error in load_draft) and stays under the 25 MB a repository can carry."""
     from pathlib import Path
-    from draft import load_draft
+    from checkpoints import load_draft
     committed = sorted(p for p in (Path(__file__).resolve().parent.parent / "drafts").iterdir() if p.is_dir())
     assert len(committed) >= 3
-    target = M.load_model(smollm2_dir)
+    target = CK.load_model(smollm2_dir)
     for folder in committed:
         assert sum(f.stat().st_size for f in folder.iterdir()) < 25e6, folder
         kind, net = load_draft(folder, target)

@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from checkpoints import ROOT
 from conftest import needs_bwrap
 
 import lossy
-import model as M
+import checkpoints as CK
 from decode import generate
 from draft import ModelDraft
 from verify import Verifier, induced, own_distribution, verify
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_arithmetic_problems_are_fixed_graded_levels():
@@ -161,7 +162,7 @@ def test_every_sampling_rule_draws_the_same_random_numbers():
 def test_one_seed_couples_verifiers_that_decide_alike(tiny_dir):
     """Lossless, CoS with lam = 1 and the overshoot ceiling with c = 1 are one rule: from one seed
     they must produce the same tokens, draft samples and all."""
-    target, draft_net = M.load_model(tiny_dir("qwen3_untied")), M.load_model(tiny_dir("qwen3_tied"))
+    target, draft_net = CK.load_model(tiny_dir("qwen3_untied")), CK.load_model(tiny_dir("qwen3_tied"))
     target.setup_caches(1, 128)
     draft_net.setup_caches(1, 128)
     g = torch.Generator()

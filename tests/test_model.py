@@ -4,15 +4,15 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+import checkpoints as CK
 import model as M
+from checkpoints import ROOT
 from tokenizer import load_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def hf_model(path):
@@ -21,7 +21,7 @@ def hf_model(path):
 
 
 def ours(path, max_seq_len=128, pack=False):
-    m = M.load_model(path)
+    m = CK.load_model(path)
     m.setup_caches(4, max_seq_len)
     return M.pack_for_cpu(m) if pack else m
 
@@ -116,7 +116,7 @@ def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
         raise KeyboardInterrupt  # as if the user pressed Ctrl-C halfway
     monkeypatch.setattr(safetensors.torch, "save_file", die)
     with pytest.raises(KeyboardInterrupt):
-        M.convert_embedded_smollm2(tmp_path / "smol")
+        CK.convert_embedded_smollm2(tmp_path / "smol")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -129,9 +129,9 @@ def test_gguf_conversion_cleans_up_after_killed_ones(tmp_path):
         (d / "model.safetensors").write_bytes(b"half")
     out.mkdir()  # a cache folder without weights, which used to block every later run
     (out / "config.json").write_text("{}")
-    assert M.convert_embedded_smollm2(out) == out and (out / "model.safetensors").is_file()
+    assert CK.convert_embedded_smollm2(out) == out and (out / "model.safetensors").is_file()
     assert not dead.exists() and live.exists()
-    assert M.load_model(out).args.n_layer == 30
+    assert CK.load_model(out).args.n_layer == 30
 
 
 def test_rms_norm_computes_in_fp32_like_transformers():
@@ -153,21 +153,21 @@ def test_unpermute_inverts_llama_cpp_permutation():
     w = torch.randn(rows, cols).numpy()
     # llama.cpp's convert_hf_to_gguf permute()
     permuted = w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-    assert (M.unpermute_qk(permuted, n_head) == w).all()
+    assert (CK.unpermute_qk(permuted, n_head) == w).all()
 
 
 def test_resolve_names(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(M.CheckpointError, match="huggingface-cli download Qwen/Qwen3-4B"):
-        M.resolve_model("qwen3-4b")
+        CK.resolve_model("qwen3-4b")
     snap = tmp_path / "models--Qwen--Qwen3-4B" / "snapshots" / "abc123"
     snap.mkdir(parents=True)
     (snap / "config.json").write_text("{}")
     (tmp_path / "models--Qwen--Qwen3-4B" / "refs").mkdir()
     (tmp_path / "models--Qwen--Qwen3-4B" / "refs" / "main").write_text("abc123")
-    assert M.resolve_model("qwen3-4b") == snap
+    assert CK.resolve_model("qwen3-4b") == snap
     with pytest.raises(M.CheckpointError, match="neither a directory nor a known model"):
-        M.resolve_model("qwen9-1t")
+        CK.resolve_model("qwen9-1t")
 
 
 # -----------------------------------------------------------------------------

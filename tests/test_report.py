@@ -1,12 +1,10 @@
 """report.py: README's results table is what docs/results.json renders to, and the report runs."""
 import json
-from pathlib import Path
 
 import pytest
 
 import report
-
-ROOT = Path(__file__).resolve().parent.parent
+from checkpoints import ROOT
 
 
 def test_readme_shows_what_the_results_file_renders_to():
@@ -51,3 +49,11 @@ def test_a_small_report_runs_end_to_end(tmp_path):
     # at T = 0 every speculative run emits plain decoding's tokens
     assert all(r["tokens"] == b["tokens"] for name in t0 if name.endswith("T=0")
                for r, b in zip(t0[name], t0["baseline T=0"]))
+
+
+def test_results_files_name_only_files_that_exist_and_no_machine_paths():
+    for path in (ROOT / "docs").glob("*.json"):
+        text = path.read_text()
+        assert not any(root in text for root in ('"/home/', '"/root/', '"/work/', '"/tmp/', str(ROOT))), path
+        for plot in json.loads(text).get("plots") or []:
+            assert (ROOT / plot).is_file(), f"{path.name} names {plot}, which does not exist"

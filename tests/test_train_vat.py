@@ -17,14 +17,15 @@ import torch.nn.functional as F
 from test_draft import dflash_net, eagle3_net
 
 import corpus as C
+import checkpoints as CK
 import model as M
+from checkpoints import ROOT, load_draft
 import train_vat as TV
 from decode import generate
-from draft import Eagle3, Eagle3Draft, eagle3_target_layers, load_draft
+from draft import Eagle3, Eagle3Draft, eagle3_target_layers
 from tokenizer import load_tokenizer
 from verify import Verifier
 
-ROOT = Path(__file__).resolve().parent.parent
 TARGET_ARGS = M.ModelArgs(model_type="llama", vocab_size=50, dim=32, n_layer=4, n_head=4, n_kv_head=2, head_dim=8,
                           intermediate_size=48)
 
@@ -53,7 +54,7 @@ import os, shutil, signal, sys, tempfile, random
 from pathlib import Path
 import safetensors.torch, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-import train_vat as TV
+import checkpoints as CK
 from test_train_vat import TARGET_ARGS, small_draft
 out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
 count = None
@@ -76,7 +77,7 @@ for step in (2, 4):
     opt = torch.optim.AdamW(net.parameters())
     if step == 4:
         count = 0
-    TV.save_checkpoint(out, net, TARGET_ARGS, step, opt, random.Random(step), [{{"step": s}} for s in range(1, step + 1)],
+    CK.save_checkpoint(out, net, TARGET_ARGS, step, opt, random.Random(step), [{{"step": s}} for s in range(1, step + 1)],
                        {{"objective": "vat"}})
 print(count)
 """
@@ -105,7 +106,7 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path):
         out = tmp_path / f"kill-{kill_at}"
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == (-9 if kill_at <= n_ops else 0), (kill_at, stderr)
-        net, state, log = TV.latest_checkpoint(out, target)
+        net, state, log = CK.latest_checkpoint(out, target)
         step = state["step"]
         assert step == (4 if kill_at > n_ops else step) and step in (2, 4)
         assert [s["step"] for s in log] == list(range(1, step + 1))  # the log of that same step
@@ -113,9 +114,9 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path):
             assert torch.equal(value, expected[step][key].float()), (kill_at, key)
         assert (out / "checkpoint").resolve().name in (f"step-{step:06d}", "step-000002", "step-000004")
         # a resumed run carries on from there, and its next save cleans up what the kill left
-        TV.save_checkpoint(out, net, TARGET_ARGS, 6, torch.optim.AdamW(net.parameters()), random.Random(0),
+        CK.save_checkpoint(out, net, TARGET_ARGS, 6, torch.optim.AdamW(net.parameters()), random.Random(0),
                            log + [{"step": 5}, {"step": 6}] if step == 4 else log, {"objective": "vat"})
-        assert TV.latest_checkpoint(out, target)[1]["step"] == 6
+        assert CK.latest_checkpoint(out, target)[1]["step"] == 6
         assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -129,13 +130,13 @@ def test_tampered_training_state_is_refused_not_executed(tmp_path, capsys):
     target = small_target()
     for step in (2, 4):
         net = small_draft(seed=step)
-        TV.save_checkpoint(tmp_path, net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()), random.Random(0),
+        CK.save_checkpoint(tmp_path, net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()), random.Random(0),
                            [{"step": s} for s in range(1, step + 1)], {"objective": "vat"})
     marker = tmp_path / "pwned"
     exploit = Exploit()
     exploit.marker = marker
     (tmp_path / "step-000004" / "train_state.pt").write_bytes(pickle.dumps({"step": 4, "x": exploit}))
-    net, state, log = TV.latest_checkpoint(tmp_path, target)
+    net, state, log = CK.latest_checkpoint(tmp_path, target)
     assert not marker.exists()  # the payload never ran
     assert state["step"] == 2 and len(log) == 2  # the newest complete, untampered checkpoint
     assert "skipping checkpoint" in capsys.readouterr().err
@@ -143,11 +144,11 @@ def test_tampered_training_state_is_refused_not_executed(tmp_path, capsys):
 
 def test_a_cut_off_log_does_not_stop_a_resume(tmp_path, capsys):
     net = small_draft(seed=1)
-    TV.save_checkpoint(tmp_path, net, TARGET_ARGS, 3, torch.optim.AdamW(net.parameters()), random.Random(0),
+    CK.save_checkpoint(tmp_path, net, TARGET_ARGS, 3, torch.optim.AdamW(net.parameters()), random.Random(0),
                        [{"step": s} for s in (1, 2, 3)], {"objective": "vat"})
     log = tmp_path / "step-000003" / "log.jsonl"
     log.write_text(log.read_text()[:-8])  # cut inside the last line
-    _, state, entries = TV.latest_checkpoint(tmp_path, small_target())
+    _, state, entries = CK.latest_checkpoint(tmp_path, small_target())
     assert state["step"] == 3 and [e["step"] for e in entries] == [1, 2]
     assert "cut off after 2 steps" in capsys.readouterr().err
 
@@ -185,9 +186,10 @@ def test_out_must_not_be_a_file_or_hold_checkpoints_unless_resuming(tmp_path, ca
     assert TV.get_args(["--out", str(tmp_path / "run"), "--resume"]).resume
 
 
-def test_machine_dependent_defaults():
+def test_machine_dependent_defaults(monkeypatch):
     cpu = TV.get_args(["--device", "cpu"])
     assert {k: getattr(cpu, k) for k in TV.CPU_DEFAULTS} == TV.CPU_DEFAULTS
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the settings only; nothing runs on it
     gpu = TV.get_args(["--device", "cuda"])
     assert {k: getattr(gpu, k) for k in TV.GPU_DEFAULTS} == TV.GPU_DEFAULTS
     quick = TV.get_args(["--device", "cpu", "--quick", "--batch-size", "3"])
@@ -322,7 +324,7 @@ def tiny_training(target, objective, steps, seed=0):
 
 
 def test_tiny_training_raises_simulated_tau_and_decodes_exactly(tiny_dir):
-    target = M.load_model(tiny_dir("qwen3_untied"))
+    target = CK.load_model(tiny_dir("qwen3_untied"))
     target.setup_caches(1, 128)
     net, before, after, prompts = tiny_training(target, "vat", steps=40)
     assert after["sim_tau"] > before["sim_tau"] + 0.3, (before, after)
@@ -391,7 +393,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     assert [s["step"] for s in log] == [1, 2, 3, 4]
     assert sorted((tmp_path / "cache").glob("corpus-*/shard-*.pt" if kind == "eagle3" else "responses-*.pt")) \
         == sorted(cache)
-    found, net = load_draft(tmp_path / "run" / "checkpoint", M.load_model(tmp_path / "target"))
+    found, net = load_draft(tmp_path / "run" / "checkpoint", CK.load_model(tmp_path / "target"))
     assert found == kind and json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())["vat"]["step"] == 4
 
 
@@ -399,7 +401,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
 def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, kind):
     grads = []
     for pack in (False, True):
-        target = M.load_model(tiny_dir("qwen3_untied"))
+        target = CK.load_model(tiny_dir("qwen3_untied"))
         if pack:
             M.pack_for_cpu(target)
         target.setup_caches(2, 40)
@@ -490,7 +492,7 @@ def prompt_response_batch(vocab, lengths, starts, seed=0):
 def test_chain_training_equals_the_dense_reference(tiny_dir, parts):
     """Training only the chains that carry loss gives the dense reference's loss terms and
     gradients (up to its normalization: a mean over all B*T chains, padding and prompt included)."""
-    target = M.load_model(tiny_dir("qwen3_untied"))
+    target = CK.load_model(tiny_dir("qwen3_untied"))
     target.setup_caches(3, 40)
     net = eagle3_net(target).train()
     args = argparse.Namespace(draft="eagle3", objective="vat", vat_label="greedy", vat_parts=parts, beta=1.0,
@@ -529,7 +531,7 @@ def test_captured_rows_equal_a_full_forward(tmp_path):
     """What generation captures for each token is what a full forward over the finished
     sequence computes: the layers' states, the final-normed state, logsumexp and argmax."""
     tiny_chat_target(tmp_path / "target")
-    target = M.load_model(tmp_path / "target")
+    target = CK.load_model(tmp_path / "target")
     target.setup_caches(3, 64)
     layers = C.corpus_layers(target.args.n_layer)
     prompts = [[1, 5, 9, 40, 41], [2, 7], [3, 60, 61, 62, 70, 80, 90]]  # left padding differs per row
@@ -556,7 +558,7 @@ def test_training_from_the_corpus_equals_training_on_the_fly(tmp_path, kind):
     """A batch of the captured corpus gives the loss a target forward on its tokens gives."""
     import random
     tiny_chat_target(tmp_path / "target")
-    target = M.load_model(tmp_path / "target")
+    target = CK.load_model(tmp_path / "target")
     target.setup_caches(4, 64)
     tokenizer = load_tokenizer(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
@@ -611,7 +613,7 @@ def test_corpus_batches_cover_every_sequence_once_an_epoch_with_little_padding(t
 
 def test_an_interrupted_corpus_build_continues_where_it_stopped(tmp_path):
     tiny_chat_target(tmp_path / "target")
-    target = M.load_model(tmp_path / "target")
+    target = CK.load_model(tmp_path / "target")
     target.setup_caches(4, 64)
     tokenizer = load_tokenizer(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
@@ -658,7 +660,7 @@ def test_train_vat_under_torchrun_ddp(tmp_path):
                        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["steps"] == 3
-    assert load_draft(tmp_path / "run" / "checkpoint", M.load_model(tmp_path / "target"))[0] == "eagle3"
+    assert load_draft(tmp_path / "run" / "checkpoint", CK.load_model(tmp_path / "target"))[0] == "eagle3"
 
 
 # -----------------------------------------------------------------------------

