@@ -10,7 +10,7 @@ drift cancels in the ratios: every speedup is the median over prompts of (tokens
     python bench.py --quick                                      # smoke test (CI runs it)
     python bench.py --limit 5 --drafts lookup,drafts/smollm2-135m-eagle3-vat --temperatures 0
     python bench.py --prompt-file my.jsonl --peers               # add transformers' generate
-    python bench.py --speed-off --decode-table smollm2-135m --int8-quality 40
+    python bench.py --speed-off --decode-table smollm2-135m --weights-quality 40
 
 Writes a markdown table to stdout, every raw number and the configuration to --out (JSON), PNG
 plots beside it, and ends stdout with one JSON line of headline figures.
@@ -409,26 +409,30 @@ def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(Fa
     return sorted(rows, key=lambda r: (names.index(r["target"]), r["compiled"], r["dtype"] == "int8"))
 
 
+QUALITY_WEIGHTS = ("int8", "bfloat16")  # what --weights-quality compares with fp32
+
+
 @torch.no_grad()
-def int8_quality(target_name: str, n_texts: int, max_tokens: int = 400) -> dict:
-    """What int8 weights and activations cost: on held-out text (GSM8K test questions with their
-    reference answers, teacher-forced), how often the int8 target's next-token argmax agrees with
-    the fp32 one's, and both perplexities."""
-    fp32, tokenizer = load_target(target_name, "cpu", "packed", max_tokens)
-    int8, _ = load_target(target_name, "cpu", "int8", max_tokens)
-    agree = count = 0
-    nll = {"fp32": 0.0, "int8": 0.0}
+def weights_quality(target_name: str, n_texts: int, max_tokens: int = 400) -> dict:
+    """What cheaper weights cost: on held-out text (GSM8K test questions with their reference
+    answers, teacher-forced), how often the int8 and the bf16 target's next-token argmax agree with
+    the fp32 one's, and the perplexities. {weights: {...}} per entry of QUALITY_WEIGHTS."""
+    models = {"fp32": load_target(target_name, "cpu", "packed", max_tokens)}
+    models.update({w: load_target(target_name, "cpu", w, max_tokens) for w in QUALITY_WEIGHTS})
+    tokenizer = models["fp32"][1]
+    agree, nll, count = dict.fromkeys(QUALITY_WEIGHTS, 0), dict.fromkeys(models, 0.0), 0
     for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")[:n_texts]:
         ids = torch.tensor([tokenizer.encode(r["question"] + "\n" + r["answer"])[:max_tokens]])
         positions = torch.arange(ids.shape[1])
-        logits = {name: model(ids, positions)[0][0, :-1] for name, model in (("fp32", fp32), ("int8", int8))}
-        agree += (logits["fp32"].argmax(-1) == logits["int8"].argmax(-1)).sum().item()
+        logits = {name: model(ids, positions)[0][0, :-1].float() for name, (model, _) in models.items()}
         count += ids.shape[1] - 1
         for name, lg in logits.items():
             nll[name] += torch.nn.functional.cross_entropy(lg, ids[0, 1:], reduction="sum").item()
-    return {"texts": n_texts, "tokens": count, "top1_agreement": agree / count,
-            "perplexity_fp32": math.exp(nll["fp32"] / count),
-            "perplexity_int8": math.exp(nll["int8"] / count)}
+            if name != "fp32":
+                agree[name] += (logits["fp32"].argmax(-1) == lg.argmax(-1)).sum().item()
+    return {w: {"texts": n_texts, "tokens": count, "top1_agreement": agree[w] / count,
+                "perplexity_fp32": math.exp(nll["fp32"] / count), "perplexity": math.exp(nll[w] / count)}
+            for w in QUALITY_WEIGHTS}
 
 
 # -----------------------------------------------------------------------------
@@ -515,9 +519,9 @@ def get_args(argv=None):
                     help="time torch.compile'd steps (CUDA graphs on CUDA, weight freezing on CPU) next to "
                          "eager ones; auto = both on CUDA, eager only on CPU (a compile per query "
                          "length costs time there)")
-    ap.add_argument("--int8-quality", type=int, default=0, metavar="N",
-                    help="compare the int8 target with fp32 on N held-out GSM8K texts: top-1 agreement and "
-                         "perplexity (CPU)")
+    ap.add_argument("--weights-quality", type=int, default=0, metavar="N",
+                    help="compare the int8 and the bf16 target with fp32 on N held-out GSM8K texts: top-1 "
+                         "agreement and perplexity (CPU)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
     ap.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
     ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
@@ -675,17 +679,16 @@ def main(argv=None):
     table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile,
                                int8=args.device == "cpu",
                                verify_k=sorted({3, 5, 7, args.num_draft_tokens})) if args.decode_table else []
-    int8_check = int8_quality(args.target, args.int8_quality) if args.int8_quality else {}
+    quality = weights_quality(args.target, args.weights_quality) if args.weights_quality else {}
     print_report(args, summary, table)
     for name, r in paired.items():
         print(f"\n{name} on {r['prompts']} prompts: tau ratio {r['tau']['ratio']:.3f} (95% CI "
               f"{r['tau']['ci95'][0]:.3f}-{r['tau']['ci95'][1]:.3f}), "
               f"tokens/s ratio {r['tokens_per_s']['ratio']:.3f} "
               f"({r['tokens_per_s']['ci95'][0]:.3f}-{r['tokens_per_s']['ci95'][1]:.3f})")
-    if int8_check:
-        print(f"\nint8 against fp32 on {int8_check['tokens']} tokens of held-out text: top-1 agreement "
-              f"{int8_check['top1_agreement']:.3f}, perplexity {int8_check['perplexity_fp32']:.3f} -> "
-              f"{int8_check['perplexity_int8']:.3f}")
+    for weights, q in quality.items():
+        print(f"\n{weights} against fp32 on {q['tokens']} tokens of held-out text: top-1 agreement "
+              f"{q['top1_agreement']:.3f}, perplexity {q['perplexity_fp32']:.3f} -> {q['perplexity']:.3f}")
 
     out = args.out
     try:
@@ -697,7 +700,7 @@ def main(argv=None):
     result = {
         "config": config, "machine": machine_stamp(args.device),
         "speed": summary, "paired": paired, "decode_table": table,
-        "int8_quality": int8_check,
+        "weights_quality": quality,
         "plots": [shown(p) for p in images],
         "runs": records,  # every run on every prompt, its tokens included
     }

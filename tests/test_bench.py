@@ -155,3 +155,14 @@ def test_paired_runs_pair_only_runs_with_a_twin():
     paired.append(["runs/b/checkpoint", "runs/a/checkpoint"])
     assert list(bench.paired_runs(paired, records)) == ["a greedy T=0 vs b", "b greedy T=0 vs a"]
     assert pairs["a greedy T=0 vs b"]["tau"]["ratio"] == 1.0
+
+
+def test_weights_quality_compares_int8_and_bf16_with_fp32(tmp_path):
+    """--weights-quality: teacher-forced agreement and perplexity of each cheaper layout against fp32."""
+    from test_train_vat import tiny_chat_target
+    tiny_chat_target(tmp_path / "target")
+    q = bench.weights_quality(str(tmp_path / "target"), n_texts=2, max_tokens=48)
+    assert set(q) == {"int8", "bfloat16"}
+    for r in q.values():
+        assert r["tokens"] == 2 * 47 and 0.5 <= r["top1_agreement"] <= 1
+        assert r["perplexity"] == pytest.approx(r["perplexity_fp32"], rel=0.2)  # random weights: close, not equal
