@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 import model as M
 from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, compile_step,
-                        default_device, load_target, machine_problem, pick_threads, resolve_model,
+                        default_device, embedded_gguf_path, load_target, machine_problem, pick_threads, resolve_model,
                         target_weights, wants_compile, write_atomically)
 from decode import check_prompt, check_temperature, generate, prompt_text, read_jsonl, repo_path, repo_relative
 from draft import AdaptiveDraft
@@ -145,12 +145,36 @@ def hf_peer(target_dir, kind: str, k: int):
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                           eos_token_id=sorted(stop_ids), pad_token_id=sorted(stop_ids)[0],
                           **sampling, **extra)
-        seconds = time.perf_counter() - t0
-        new = out[0, len(ids):].tolist()
-        return {"tokens": new, "new_tokens": len(new), "seconds": seconds, "tokens_per_s": None,  # (no prefill time)
-                "tau": None, "target_forwards": None, "draft_seconds": 0.0, "accepted_per_position": [],
-                "drafted_tokens": 0, "declined_tokens": 0}
+        return peer_result(out[0, len(ids):].tolist(), time.perf_counter() - t0)
     return run
+
+
+def llama_cpp_peer(kind: str, k: int):
+    """llama.cpp (PyPI llama-cpp-python, optional) on the very GGUF file the embedded default target
+    is converted from: plain decoding, or its prompt-lookup speculative decoding. Sampling at T > 0
+    is plain (no top-k, top-p, min-p or repetition penalty), as ours is."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    llm = Llama(model_path=str(embedded_gguf_path()), n_ctx=4096, n_threads=torch.get_num_threads(),
+                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if kind == "lookup" else None,
+                verbose=False)
+
+    def run(ids, max_new_tokens, temperature, stop_ids):
+        t0, new = time.perf_counter(), []
+        for token in llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                  reset=True):
+            new.append(token)
+            if token in stop_ids or len(new) >= max_new_tokens:
+                break
+        return peer_result(new, time.perf_counter() - t0)
+    return run
+
+
+def peer_result(new: list, seconds: float) -> dict:
+    """A peer's run in the layout of ours; a peer's time includes its prefill, which it does not report."""
+    return {"tokens": new, "new_tokens": len(new), "seconds": seconds, "tokens_per_s": None, "tau": None,
+            "target_forwards": None, "draft_seconds": 0.0, "accepted_per_position": [], "drafted_tokens": 0,
+            "declined_tokens": 0}
 
 
 def emit(run: Run, ids: list, k: int, max_new_tokens: int, stop_ids, generator, step_fn=None) -> dict:
@@ -186,6 +210,22 @@ def interleave(runs: list, prompts: list, k: int, max_new_tokens: int, stop_ids,
     return records
 
 
+def peer_runs(target_name: str, temperature: float, k: int) -> list:
+    """transformers' generate and assisted lookup on the same weights; llama.cpp on the same GGUF
+    file when the target is the embedded default and llama-cpp-python is installed."""
+    target_dir = resolve_model(target_name)
+    runs = [Run(f"{label} T={temperature:g}", temperature, peer=hf_peer(target_dir, kind, k))
+            for kind, label in (("generate", "transformers generate"), ("assisted", "transformers assisted lookup"))]
+    if target_name != DEFAULT_TARGET:
+        return runs
+    try:
+        runs += [Run(f"{label} T={temperature:g}", temperature, peer=llama_cpp_peer(kind, k))
+                 for kind, label in (("plain", "llama.cpp"), ("lookup", "llama.cpp prompt lookup"))]
+    except ImportError:
+        print("note: llama.cpp is left out: pip install llama-cpp-python (README: how to build it)", file=sys.stderr)
+    return runs
+
+
 def speed_runs(args, target, tokenizer, generator):
     """Every draft x verifier x temperature and the baseline, interleaved prompt by prompt.
     Returns {run name: [one result per prompt]} and {run name: temperature}."""
@@ -202,11 +242,7 @@ def speed_runs(args, target, tokenizer, generator):
                 runs.append(Run(f"{draft_label(spec)} {name} T={temperature:g}", temperature, target, draft,
                                 Verifier(name)))
         if args.peers:
-            target_dir = resolve_model(args.target)
-            for kind, label in (("generate", "transformers generate"),
-                                ("assisted", "transformers assisted lookup")):
-                runs.append(Run(f"{label} T={temperature:g}", temperature,
-                                peer=hf_peer(target_dir, kind, args.num_draft_tokens)))
+            runs += peer_runs(args.target, temperature, args.num_draft_tokens)
     prompts = load_prompts(repo_path(args.prompt_file), args.categories, args.limit)
     encoded = [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
     records = interleave(runs, encoded, args.num_draft_tokens, args.max_new_tokens, tokenizer.stop_ids,

@@ -166,3 +166,19 @@ def test_weights_quality_compares_int8_and_bf16_with_fp32(tmp_path):
     for r in q.values():
         assert r["tokens"] == 2 * 47 and 0.5 <= r["top1_agreement"] <= 1
         assert r["perplexity"] == pytest.approx(r["perplexity_fp32"], rel=0.2)  # random weights: close, not equal
+
+
+def test_llama_cpp_is_an_optional_peer(smollm2_dir, monkeypatch, capsys):
+    """--peers adds llama.cpp on the same GGUF file when llama-cpp-python is installed, and says how
+    to get it when it is not; its runs emit tokens of the target's vocabulary, stopping on time."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
+    names = [r.name for r in bench.peer_runs("smollm2-135m", 0.0, 5)]
+    assert names == ["transformers generate T=0", "transformers assisted lookup T=0"]
+    assert "pip install llama-cpp-python" in capsys.readouterr().err
+    monkeypatch.undo()
+    pytest.importorskip("llama_cpp")
+    from tokenizer import load_tokenizer
+    ids = load_tokenizer(smollm2_dir).encode_chat([{"role": "user", "content": "List three colours."}])
+    for kind in ("plain", "lookup"):
+        out = bench.llama_cpp_peer(kind, 5)(ids, 12, 0.0, {2})
+        assert 1 <= out["new_tokens"] <= 12 and all(0 <= t < 49152 for t in out["tokens"])
