@@ -155,9 +155,9 @@ def llama_cpp_peer(kind: str, k: int):
     is plain (no top-k, top-p, min-p or repetition penalty), as ours is."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    llm = Llama(model_path=str(embedded_gguf_path()), n_ctx=4096, n_threads=torch.get_num_threads(),
+    llm = Llama(model_path=str(embedded_gguf_path()), n_ctx=8192, n_threads=torch.get_num_threads(),
                 draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if kind == "lookup" else None,
-                verbose=False)
+                logits_all=kind == "lookup", verbose=False)  # verification reads every drafted position
 
     def run(ids, max_new_tokens, temperature, stop_ids):
         t0, new = time.perf_counter(), []

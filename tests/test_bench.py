@@ -178,7 +178,9 @@ def test_llama_cpp_is_an_optional_peer(smollm2_dir, monkeypatch, capsys):
     monkeypatch.undo()
     pytest.importorskip("llama_cpp")
     from tokenizer import load_tokenizer
-    ids = load_tokenizer(smollm2_dir).encode_chat([{"role": "user", "content": "List three colours."}])
-    for kind in ("plain", "lookup"):
-        out = bench.llama_cpp_peer(kind, 5)(ids, 12, 0.0, {2})
-        assert 1 <= out["new_tokens"] <= 12 and all(0 <= t < 49152 for t in out["tokens"])
+    long = "Summarize: " + "the sea is calm and the sky is blue. " * 80  # longer than llama.cpp's 512-token batch
+    for text in ("List three colours.", long):
+        ids = load_tokenizer(smollm2_dir).encode_chat([{"role": "user", "content": text}])
+        for kind in ("plain", "lookup"):
+            out = bench.llama_cpp_peer(kind, 5)(ids, 12, 0.0, {2})
+            assert 1 <= out["new_tokens"] <= 12 and all(0 <= t < 49152 for t in out["tokens"])
