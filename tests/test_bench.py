@@ -179,8 +179,9 @@ def test_llama_cpp_is_an_optional_peer(smollm2_dir, monkeypatch, capsys):
     pytest.importorskip("llama_cpp")
     from tokenizer import load_tokenizer
     long = "Summarize: " + "the sea is calm and the sky is blue. " * 80  # longer than llama.cpp's 512-token batch
-    for text in ("List three colours.", long):
-        ids = load_tokenizer(smollm2_dir).encode_chat([{"role": "user", "content": text}])
-        for kind in ("plain", "lookup"):
-            out = bench.llama_cpp_peer(kind, 5)(ids, 12, 0.0, {2})
+    tokenizer = load_tokenizer(smollm2_dir)
+    for kind in ("plain", "lookup"):
+        run = bench.llama_cpp_peer(kind, 5)
+        for text in ("List three colours.", long):
+            out = run(tokenizer.encode_chat([{"role": "user", "content": text}]), 12, 0.0, {2})
             assert 1 <= out["new_tokens"] <= 12 and all(0 <= t < 49152 for t in out["tokens"])
