@@ -7,8 +7,8 @@ commits n+1 tokens; the target's KV cache needs no rewind beyond starting the ne
 position (stale entries past it are masked, then overwritten). With no draft, k = 0 and the loop is
 ordinary autoregressive decoding: the baseline every speedup is measured against.
 
-    python decode.py --prompt "Why is the sky blue?"                       # plain, default target
-    python decode.py --draft lookup --verifier greedy --prompt "..."       # prompt lookup
+    python decode.py --prompt "Why is the sky blue?"                       # prompt lookup, greedy (the default)
+    python decode.py --verifier none --temperature 0.7 --prompt "..."      # plain sampling
     python decode.py --target qwen3-4b --draft qwen3-0.6b --verifier overshoot --temperature 1
 """
 import argparse
