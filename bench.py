@@ -122,8 +122,8 @@ def make_draft(spec, target, tokenizer, temperature, generator):
 @dataclass
 class Run:
     """One configuration of the speed table: ours (a draft and a verifier, or plain decoding when
-    draft is None) or a transformers peer (a function of the prompt ids). `baseline` names the run
-    its speedup divides by on each prompt (plain fp32 decoding at its temperature by default)."""
+    draft is None) or a peer (a function of the prompt ids). Its speedup divides by the run named
+    'baseline T=...' at its temperature, prompt by prompt (summarize)."""
     name: str
     temperature: float
     target: object = None  # the model this run decodes with (runs of one table may differ in weights)

@@ -746,8 +746,9 @@ def target_weights(dtype: str | None, device: str, compiled: bool) -> str:
     the weights itself), bfloat16 on CUDA. int8 is CPU-only and opt-in (README: its speed and its
     cost in quality)."""
     dtype = dtype or ("bfloat16" if device != "cpu" else "float32")
-    if dtype == "int8" and (device != "cpu" or compiled):
-        raise ValueError("--dtype int8 runs on the CPU, uncompiled; use bfloat16 on a GPU")
+    problem = machine_problem(device, "auto", dtype, compiled)
+    if problem:
+        raise ValueError(problem)
     return "packed" if dtype == "float32" and device == "cpu" and not compiled else dtype
 
 
