@@ -34,8 +34,8 @@ from tqdm import tqdm
 
 import model as M
 from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, compile_step,
-                        default_device, embedded_gguf_path, load_target, machine_problem, pick_threads, resolve_model,
-                        target_weights, wants_compile, write_atomically)
+                        cpu_description, default_device, embedded_gguf_path, load_target, machine_problem,
+                        pick_threads, resolve_model, target_layout, wants_compile, write_atomically)
 from decode import check_prompt, check_temperature, generate, prompt_text, read_jsonl, repo_path, repo_relative
 from draft import AdaptiveDraft
 from verify import VERIFIERS, Verifier
@@ -445,16 +445,16 @@ def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(Fa
     return sorted(rows, key=lambda r: (names.index(r["target"]), r["compiled"], r["dtype"] == "int8"))
 
 
-QUALITY_WEIGHTS = ("int8", "bfloat16")  # what --weights-quality compares with fp32
+QUALITY_WEIGHTS = {"int8": "int8", "bfloat16": "bfloat16-packed", "int4": "int4"}  # compared with fp32
 
 
 @torch.no_grad()
 def weights_quality(target_name: str, n_texts: int, max_tokens: int = 400) -> dict:
     """What cheaper weights cost: on held-out text (GSM8K test questions with their reference
-    answers, teacher-forced), how often the int8 and the bf16 target's next-token argmax agree with
-    the fp32 one's, and the perplexities. {weights: {...}} per entry of QUALITY_WEIGHTS."""
-    models = {"fp32": load_target(target_name, "cpu", "packed", max_tokens)}
-    models.update({w: load_target(target_name, "cpu", w, max_tokens) for w in QUALITY_WEIGHTS})
+    answers, teacher-forced), how often the int8, bf16 and int4 targets' next-token argmax agrees
+    with the fp32 one's, and the perplexities. {weights: {...}} per entry of QUALITY_WEIGHTS."""
+    models = {"fp32": load_target(target_name, "cpu", "float32-packed", max_tokens)}
+    models.update({w: load_target(target_name, "cpu", layout, max_tokens) for w, layout in QUALITY_WEIGHTS.items()})
     tokenizer = models["fp32"][1]
     agree, nll, count = dict.fromkeys(QUALITY_WEIGHTS, 0), dict.fromkeys(models, 0.0), 0
     for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")[:n_texts]:
@@ -542,9 +542,9 @@ def get_args(argv=None):
     ap.add_argument("--peers", action="store_true",
                     help="also run transformers' generate and assisted lookup")
     ap.add_argument("--speed-off", action="store_true", help="skip the speed runs")
-    ap.add_argument("--dtype", default=None, choices=("int8", "float32", "bfloat16", "float16"),
-                    help="the target's weights, as decode.py's --dtype (default: float32 on CPU, bfloat16 on "
-                         "CUDA)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
+                    help="the target's weights, as decode.py's --dtype (auto: the layout timed fastest on this "
+                         "CPU for k+1-token forwards, bfloat16 on CUDA)")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the target's decode step as decode.py does; auto = on for CUDA only")
     ap.add_argument("--decode-table", default="auto",
@@ -556,7 +556,7 @@ def get_args(argv=None):
                          "eager ones; auto = both on CUDA, eager only on CPU (a compile per query "
                          "length costs time there)")
     ap.add_argument("--weights-quality", type=int, default=0, metavar="N",
-                    help="compare the int8 and the bf16 target with fp32 on N held-out GSM8K texts: top-1 "
+                    help="compare the int8, bf16 and int4 targets with fp32 on N held-out GSM8K texts: top-1 "
                          "agreement and perplexity (CPU)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
     ap.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
@@ -609,19 +609,11 @@ def check_and_complete(ap, args):
     problem = unwritable(args.out)
     if problem:
         ap.error(f"cannot write --out {args.out}: {problem}")
-CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-
-
 def machine_stamp(device: str) -> dict:
     """What a result was measured on: which CPU (model and the features that decide the fastest
     weight layout), how many cores and threads, which torch and which commit, and when."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = set(fields.get("flags", "").split())
     git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()  # noqa: E731
-    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
-            "cpu_features": [f for f in CPU_FEATURES if f in flags],
+    return {**cpu_description(),
             "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": device,
             "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
             "torch": torch.__version__, "python": platform.python_version(),
@@ -703,8 +695,9 @@ def main(argv=None):
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     summary, records, paired = {}, {}, {}
     if not args.speed_off:
-        weights = target_weights(args.dtype, args.device, args.compile)
-        target, tokenizer = load_target(args.target, args.device, weights, 4096)
+        layout = target_layout(args.dtype, args.device, args.compile)
+        target, tokenizer = load_target(args.target, args.device, layout, 4096, args.num_draft_tokens + 1)
+        args.layout, args.layout_ms = target.layout, target.layout_ms  # into the results' config
         args.step_fn = compile_step(target) if args.compile else None
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
         records, temperatures = speed_runs(args, target, tokenizer, generator)

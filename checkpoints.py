@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import model as M
 from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft,
@@ -311,8 +312,11 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
     """Dequantize the Q4_1 GGUF to an fp32 HF-layout directory, once. Written to a temporary
     directory and renamed into place, so an interrupted conversion leaves nothing behind."""
     out_dir = Path(out_dir or cache_dir() / "smollm2-135m-instruct")
-    if (out_dir / "model.safetensors").is_file():
-        return out_dir
+    try:  # a conversion that predates the source_quantization field, or whose config broke, is made again
+        if (out_dir / "model.safetensors").is_file() and "source_quantization" in read_config(out_dir):
+            return out_dir
+    except CheckpointError:
+        pass
     remove_stale_temporaries(out_dir.parent)  # (a half-made out_dir is replaced whole below)
     import gguf
     from safetensors.torch import save_file
@@ -334,6 +338,8 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
         "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
         "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
         "torch_dtype": "float32",
+        # the layers' weights are 4-bit codes in groups of 32 inputs: the int4 layout keeps them
+        "source_quantization": {"format": "Q4_1", "group_size": 32},
     }
     with directory_written_atomically(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"))
@@ -727,29 +733,150 @@ def compile_step(target, mode: str = "default"):
     return torch.compile(target, dynamic=False, mode=mode)
 
 
-def load_target(name_or_path: str, device: str, weights: str, max_seq_len: int):
-    """Resolve, load and prepare a model for inference: caches allocated and the weights in the
-    form asked for: 'int8' (CPU), 'packed' fp32 (CPU, oneDNN's layout), or a torch dtype name."""
-    path = resolve_model(name_or_path)
-    dtype = getattr(torch, weights) if weights not in ("int8", "packed") else torch.float32
+# -----------------------------------------------------------------------------
+# Weight layouts: the form a target's weights take on this machine, chosen by measurement
+
+# What load_target builds. "-packed": oneDNN's blocked layout (model.PackedLinear). bfloat16 on a
+# CPU attends verification blocks row by row, so greedy speculation stays exact (model.py). int8
+# and int4 change the model (README: their cost in quality) and are opt-in, except that int4 is a
+# candidate for --dtype auto where the weights already are 4-bit codes in groups of 32 at their
+# source (the embedded GGUF target): there it changes only the rounding of the scales.
+LAYOUTS = ("float32-packed", "float32", "bfloat16-packed", "bfloat16", "float16", "int8", "int4")
+# (tests point it elsewhere, so that their tiny models leave no entries in a user's cache)
+LAYOUT_CACHE = Path(os.environ.get("SPECDEC_LAYOUT_CACHE") or cache_dir() / "layouts.json")
+
+
+def build_target(path: Path, layout: str, device: str, max_seq_len: int) -> M.Transformer:
+    """The model at `path` in `layout`, caches allocated, ready for inference."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(layout.removesuffix("-packed"),
+                                                                        torch.float32)
     target = load_model(path, dtype=dtype, device=device)
-    target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))
-    if weights == "int8":
+    if layout == "int8":
         M.quantize_int8(target)
-    elif weights == "packed":
+    elif layout == "int4":
+        M.quantize_int4(target)  # from the fp32 weights, then the rest in bf16
+    elif layout.endswith("-packed"):
         M.pack_for_cpu(target)
+    if layout.startswith("bfloat16") and device == "cpu":
+        M.attend_row_by_row(target)
+    target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))  # in the final dtype
+    target.layout = layout
+    return target
+
+
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_description() -> dict:
+    """The CPU's model name and which of the features that decide the fastest weight layout it has."""
+    import platform
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
+            "cpu_features": [f for f in CPU_FEATURES if f in flags]}
+
+
+def layout_candidates(path: Path) -> list:
+    """The layouts --dtype auto times on this CPU: fp32 and, where oneDNN has bf16 kernels here,
+    bf16, each packed and not; int4 where the weights are 4-bit at their source."""
+    candidates = ["float32-packed", "float32"]
+    if M.packable(torch.bfloat16):
+        candidates += ["bfloat16-packed", "bfloat16"]
+        if read_config(path).get("source_quantization", {}).get("group_size") == M.INT4_GROUP:
+            candidates.append("int4")
+    return candidates
+
+
+def step_seconds(target: M.Transformer, block: int, seconds: float = 1.0) -> float:
+    """Median wall time of a forward of `block` new tokens after a 64-token context (rewritten in
+    place each time, as a rejected speculative block is), over about `seconds` of steps."""
+    context = min(64, target.max_seq_len - block)
+    tokens = torch.randint(0, target.args.vocab_size, (1, context + block))
+    positions = torch.arange(context + block)
+    with torch.no_grad():
+        target(tokens[:, :context], positions[:context])
+        for _ in range(2):  # first calls allocate and pick kernels
+            target(tokens[:, context:], positions[context:])
+        times = []
+        while len(times) < 5 or (sum(times) < seconds and len(times) < 50):
+            start = time.perf_counter()
+            target(tokens[:, context:], positions[context:])
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def fastest_layout(path: Path, block: int, max_seq_len: int) -> tuple:
+    """(layout, milliseconds per candidate) for forwards of `block` tokens (1 for plain decoding,
+    k+1 for speculation), measured here once and then read from LAYOUT_CACHE, keyed by CPU, torch,
+    threads, model and block. A measurement made while other processes kept a core busy is used
+    but not remembered."""
+    cpu = cpu_description()
+    key = " | ".join([cpu["cpu"], ",".join(cpu["cpu_features"]),
+                      f"torch {torch.__version__}", f"{torch.get_num_threads()} threads",
+                      str(path.resolve()), f"{block} tokens"])
+    try:
+        cache = json.loads(LAYOUT_CACHE.read_text()) if LAYOUT_CACHE.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        print(f"note: {LAYOUT_CACHE} is unreadable: measuring the weight layouts again", file=sys.stderr)
+        cache = {}
+    known = cache.get(key) if isinstance(cache, dict) else None
+    if isinstance(known, dict) and known.get("layout") in LAYOUTS:
+        return known["layout"], known["ms"]
+    quiet = (idle_cores() or 0) >= torch.get_num_threads() - 0.5
+    candidates = layout_candidates(path)
+    first = build_target(path, candidates[0], "cpu", max_seq_len)  # a broken checkpoint fails here, alone
+    ms = {}
+    for layout in tqdm(candidates, desc="timing weight layouts (once per CPU)", file=sys.stderr):
+        target = first if layout == candidates[0] else build_target(path, layout, "cpu", max_seq_len)
+        ms[layout] = round(1e3 * step_seconds(target, block), 2)
+        del target
+    del first
+    best = min(ms, key=ms.get)
+    if quiet:
+        cache = cache if isinstance(cache, dict) else {}
+        cache[key] = {"layout": best, "ms": ms, "date": time.strftime("%Y-%m-%d")}
+        write_atomically(LAYOUT_CACHE, json.dumps(cache, indent=1))
+    else:
+        print("note: other processes kept a core busy while the weight layouts were timed: the choice "
+              "is used for this run only", file=sys.stderr)
+    return best, ms
+
+
+def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int, block: int = 1):
+    """Resolve, load and prepare a model for inference in `layout` (one of LAYOUTS), or, with
+    'auto' on a CPU, in the layout measured fastest here for forwards of `block` tokens. Returns
+    (target, tokenizer); target.layout names the layout, target.layout_ms what was measured."""
+    path = resolve_model(name_or_path)
+    measured = {}
+    if layout == "auto":
+        layout, measured = fastest_layout(path, block, max_seq_len)
+    target = build_target(path, layout, device, max_seq_len)
+    target.layout_ms = measured
     return target, load_tokenizer(path)
 
 
-def target_weights(dtype: str | None, device: str, compiled: bool) -> str:
-    """--dtype as load_target takes it: by default packed fp32 on a CPU (unless torch.compile packs
-    the weights itself), bfloat16 on CUDA. int8 is CPU-only and opt-in (README: its speed and its
-    cost in quality)."""
-    dtype = dtype or ("bfloat16" if device != "cpu" else "float32")
+def experiment_layout(device: str) -> str:
+    """The layout that training and the lossy experiment run their target in, whatever is fastest:
+    fp32 on a CPU, so that corpora and results do not change with the CPU; bf16 on CUDA."""
+    return "float32-packed" if device == "cpu" else "bfloat16"
+
+
+def target_layout(dtype: str | None, device: str, compiled: bool, pack: bool = True) -> str:
+    """--dtype as load_target takes it. Default (auto): on a CPU the layout measured fastest here
+    (torch.compile folds and packs the weights itself, so compiled CPU runs take float32 as it is);
+    bfloat16 on CUDA. float32 and bfloat16 on a CPU are packed unless pack is False."""
+    dtype = dtype or "auto"
     problem = machine_problem(device, "auto", dtype, compiled)
     if problem:
         raise ValueError(problem)
-    return "packed" if dtype == "float32" and device == "cpu" and not compiled else dtype
+    if device != "cpu":
+        return "bfloat16" if dtype == "auto" else dtype
+    if dtype == "auto":
+        return "float32" if compiled else "auto"
+    packs = pack and not compiled and dtype in ("float32", "bfloat16") and M.packable(getattr(torch, dtype))
+    return f"{dtype}-packed" if packs else dtype
 
 
 def machine_problem(device: str, threads: str, dtype: str | None, compiled: bool = False) -> str | None:
@@ -766,8 +893,9 @@ def machine_problem(device: str, threads: str, dtype: str | None, compiled: bool
     cores = os.cpu_count() or 1
     if threads != "auto" and not (threads.isdigit() and 1 <= int(threads) <= cores):
         return f"--threads takes auto or a whole number from 1 to the {cores} cores here, got {threads}"
-    if dtype == "int8" and (device != "cpu" or compiled):
-        return "--dtype int8 runs on the CPU, uncompiled; use bfloat16 on a GPU"
+    if dtype in ("int8", "int4") and (device != "cpu" or compiled):
+        return f"--dtype {dtype} runs on the CPU, uncompiled; use bfloat16 on a GPU"
+
     return None
 
 
@@ -782,11 +910,14 @@ DEFAULT_DRAFTS = {DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-vat"}
 
 
 def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                early_exit=None, pack: bool = True):
+                early_exit=None, pack: bool | None = None):
     """--draft lookup | eagle3:PATH | dflash:PATH | a trained draft's directory (its config says
     which) | NAME_OR_PATH of an independent model sharing the target's tokenizer | lookup+ANY OF
     THOSE (HybridDraft: lookup where it matches, the draft elsewhere). early_exit: a threshold,
-    'auto' (the paper's), or None."""
+    'auto' (the threshold the draft's config records), or None. A draft takes the target's dtype, and oneDNN's layout unless
+    the target's layout is an unpacked one (pack=None) or pack says otherwise."""
+    if pack is None:
+        pack = getattr(target, "layout", "float32-packed") not in ("float32", "bfloat16")
     if spec == "lookup":
         return LookupDraft()
     if spec.startswith("lookup+"):

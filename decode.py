@@ -24,9 +24,10 @@ import torch
 
 import model as M
 from checkpoints import (DEFAULT_DRAFTS, DEFAULT_TARGET, EARLY_EXIT_DEFAULT, HF_REPOS, ROOT, build_draft,
-                        compile_step, default_device, load_target, machine_problem, pick_threads,
-                        target_weights, wants_compile)
+                        compile_step, default_device, load_target, machine_problem, pick_threads, read_config,
+                        resolve_model, target_layout, wants_compile)
 from draft import AdaptiveDraft, NoDraft
+from tokenizer import load_tokenizer
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
 
 
@@ -115,7 +116,7 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
     verifier = exact_verifier(temperature) if verifier is None else verifier
     step_fn = target if step_fn is None else step_fn  # (a compiled module has no truth value)
     draft, k = (NoDraft(), 0) if draft is None else (draft, k)
-    check_request(target, len(prompt_ids), max_new_tokens, k, verifier, temperature)
+    check_request(target.max_seq_len, len(prompt_ids), max_new_tokens, k, verifier, temperature)
     device, L = target.embed_tokens.weight.device, len(prompt_ids)
     t_start = time.perf_counter()
     draft_forwards_before = draft.forwards
@@ -147,7 +148,8 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
     return stats.result(new, time.perf_counter() - t_start, t_prefill, draft.forwards - draft_forwards_before)
 
 
-def check_request(target, L: int, max_new_tokens: int, k: int, verifier: Verifier, temperature: float):
+def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifier: Verifier,
+                  temperature: float):
     """A one-line error for what generate cannot do: an empty prompt, more positions than the
     cache holds, greedy verification at T > 0 (it would emit the argmax whatever T says)."""
     if verifier.name == "greedy" and temperature > 0:
@@ -155,9 +157,9 @@ def check_request(target, L: int, max_new_tokens: int, k: int, verifier: Verifie
                          f"temperature {temperature:g} use lossless (or a lossy verifier)")
     if L == 0:
         raise ValueError("empty prompt")
-    if L + max_new_tokens + k > target.max_seq_len:
+    if L + max_new_tokens + k > max_seq_len:
         raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + {k} drafted needs "
-                         f"{L + max_new_tokens + k} positions; the context holds {target.max_seq_len} "
+                         f"{L + max_new_tokens + k} positions; the context holds {max_seq_len} "
                          f"(lower --max-new-tokens or raise --max-seq-len)")
 
 
@@ -297,18 +299,20 @@ def get_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (capped by the model's)")
     ap.add_argument("--device", default=default_device())
-    ap.add_argument("--dtype", default=None, choices=("int8", "float32", "bfloat16", "float16"),
-                    help="the target's weights. Default: float32 on CPU, bfloat16 on CUDA. "
-                         "int8 (CPU): int8 weights and per-token int8 activations, fewer bytes a step to read "
-                         "at a small loss in quality (README); the target then is the int8 model, and greedy "
-                         "speculative decoding reproduces its plain decoding bit for bit")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
+                    help="the target's weights. auto (default): on a CPU, the layout timed fastest on this CPU "
+                         "for the forwards about to run (fp32 or bf16, oneDNN-packed or not; int4 where the "
+                         "weights are 4-bit at their source, as the embedded default's are), timed once and "
+                         "remembered per CPU; bfloat16 on CUDA. int8 and int4 (CPU) read fewer bytes a step "
+                         "and change the model a little (README: their cost in quality); greedy speculative "
+                         "decoding reproduces plain decoding of whichever model runs, bit for bit")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the decode step (on CPU with weight freezing); auto = on for CUDA, off "
                          "for CPU, where inductor cannot compile the packed weights and each block length "
                          "costs a compile")
     ap.add_argument("--no-pack", dest="pack", action="store_false",
-                    help="with --dtype float32 on CPU, keep nn.Linear weights as they are instead of oneDNN's "
-                         "packed layout (its small-batch matmuls read the weights at a higher bandwidth)")
+                    help="with --dtype float32 or bfloat16 on CPU, keep nn.Linear weights as they are instead "
+                         "of oneDNN's packed layout (--dtype auto times both)")
     ap.add_argument("--threads", default="auto",
                     help="CPU threads; auto = one per core that is idle when decoding starts (a thread on a "
                          "core another process keeps busy stalls the others)")
@@ -380,7 +384,7 @@ def summary_line(result: dict, args, speculative: bool) -> str:
     how = "plain decoding"
     if speculative:
         how = f"{repo_relative(args.draft)} draft, {args.verifier} verifier, k={args.num_draft_tokens}"
-    line = (f"[{how}, T={args.temperature:g}] {result['new_tokens']} tokens at "
+    line = (f"[{how}, T={args.temperature:g}, {args.layout} weights] {result['new_tokens']} tokens at "
             f"{result['tokens_per_s']:.1f} tok/s, {result['target_forwards']} target forwards")
     if speculative:
         kept = result["new_tokens"] - result["target_forwards"]  # every forward adds one token of its own
@@ -399,25 +403,28 @@ def main(argv=None):
     prompts = read_prompts(repo_path(args.prompt_file)) if args.prompt_file else \
         [args.prompt if args.prompt is not None else "Explain in three sentences why the sky is blue."]
     compiled = wants_compile(args.compile, args.device)
-    weights = target_weights(args.dtype, args.device, compiled)
-    if weights == "packed" and not args.pack:
-        weights = "float32"
-    target, tokenizer = load_target(args.target, args.device, weights, args.max_seq_len)
+    # every prompt is checked before any weights load (or layouts are timed)
+    path = resolve_model(args.target)
+    tokenizer = load_tokenizer(path)
+    context = min(args.max_seq_len, M.ModelArgs.from_hf_config(read_config(path)).max_position_embeddings)
+    encoded = [tokenizer.encode(text) if args.raw else tokenizer.encode_chat(
+        ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}])
+        for text in prompts]
+    k = args.num_draft_tokens if args.verifier != "none" else 0
+    for ids in encoded:
+        check_request(context, len(ids), args.max_new_tokens, k, verifier, args.temperature)
+    layout = target_layout(args.dtype, args.device, compiled, args.pack)
+    target, _ = load_target(str(path), args.device, layout, args.max_seq_len, block=k + 1)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     draft = None
     if args.verifier != "none":
         draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
-                            generator=generator, early_exit=args.early_exit, pack=args.pack)
+                            generator=generator, early_exit=args.early_exit)
         draft = AdaptiveDraft(draft) if args.adaptive else draft
     step_fn = compile_step(target) if compiled else target
+    args.layout = target.layout
 
-    for text in prompts:
-        if args.raw:
-            ids = tokenizer.encode(text)
-        else:
-            messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                       [{"role": "user", "content": text}]
-            ids = tokenizer.encode_chat(messages)
+    for ids in encoded:
         stop_ids = tokenizer.stop_ids
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -437,7 +444,7 @@ def main(argv=None):
         if args.json:
             result["text"] = tokenizer.decode([t for t in result["tokens"] if t not in stop_ids])
             result.update(target=args.target, draft=repo_relative(args.draft) if draft else None,
-                          verifier=args.verifier,
+                          verifier=args.verifier, layout=target.layout,
                           k=args.num_draft_tokens if draft else 0, temperature=args.temperature)
             print(json.dumps(result))
 

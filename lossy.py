@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 import model as M
 from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, default_device,
-                        load_target, machine_problem, pick_threads, resolve_model, target_weights)
+                        experiment_layout, load_target, machine_problem, pick_threads, resolve_model)
 from bench import shown, unwritable, write_results
 from decode import generate, read_jsonl, repo_path
 from sandbox import SandboxError, check_sandbox, run_untrusted
@@ -216,7 +216,7 @@ _worker = {}  # one per process: the target, tokenizer, draft and generator, loa
 def start_worker(args):
     try:
         torch.set_num_threads(args.threads_per_worker)
-        target, tokenizer = load_target(args.target, args.device, target_weights(None, args.device, False),
+        target, tokenizer = load_target(args.target, args.device, experiment_layout(args.device),
                                         args.max_seq_len)
         generator = torch.Generator(device=args.device)
         draft = build_draft(str(args.draft), target, tokenizer, temperature=args.temperature, generator=generator)

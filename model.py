@@ -113,8 +113,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # normalize in fp32 and cast back before the weight, as HF, EAGLE and DFlash do, so bf16
         # runs round where theirs round (both casts are no-ops for fp32 inputs)
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -176,23 +175,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.kv_cache: KVCache | None = None
-        # an int8 target (quantize_int8) attends verification blocks one query at a time: rounding
-        # activations to int8 would turn the float noise of a different kernel into different tokens
-        self.row_by_row = False
+        self.row_by_row = False  # see attend_row_by_row
 
     def project(self, x, cos, sin):
         """(B, T, in_dim) -> q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), RoPE applied."""
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
-             self.n_kv_head * self.head_dim], dim=-1)
-        q = q.view(B, T, self.n_head, self.head_dim)
-        k = k.view(B, T, self.n_kv_head, self.head_dim)
+        H, KV = self.n_head, self.n_kv_head
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * KV, self.head_dim).transpose(1, 2)  # (B, H+2KV, T, head_dim)
+        q_and_k, v = qkv.split([H + KV, KV], dim=1)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, T, head_dim)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            q_and_k = torch.cat([self.q_norm(q_and_k[:, :H]), self.k_norm(q_and_k[:, H:])], 1)
+        # q and k rotate together: one RoPE instead of two, fewer ops per step
+        q, k = apply_rope(q_and_k, cos, sin).split([H, KV], dim=1)
+        return q, k, v
 
     def attend(self, q, k, v, mask):
         """Attention of q over the keys k, v given, (B, heads, T, head_dim) -> (B, T, dim)."""
@@ -299,10 +294,10 @@ def attention_mask(input_pos, kv_len: int, key_valid=None, full_cache: bool = Fa
 
 
 class PackedLinear(nn.Module):
-    """A frozen nn.Linear whose weight sits in oneDNN's blocked layout, for the small-batch matmuls
-    of decoding (1 token) and verification (k+1 tokens), where nn.Linear's path reads the weights
-    at a lower bandwidth on the CPUs measured. Which layout is fastest differs between CPU models:
-    `python report.py` and `bench.py --decode-table` measure it on yours."""
+    """A frozen nn.Linear (fp32 or bf16) whose weight sits in oneDNN's blocked layout, for the
+    small-batch matmuls of decoding (1 token) and verification (k+1 tokens), where nn.Linear's path
+    reads the weights at a lower bandwidth on some CPUs. Which layout is fastest differs between CPU
+    models: `--dtype auto` measures it on yours."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int):
         super().__init__()
@@ -317,20 +312,38 @@ class PackedLinear(nn.Module):
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
-    """The (out, in) weight of an nn.Linear, a PackedLinear or an Int8Linear, as an ordinary tensor."""
+    """The (out, in) weight of an nn.Linear or of any of the frozen forms below, as an ordinary tensor."""
     w = linear.weight
     return w.to_dense() if w.layout == torch._mkldnn else w
 
 
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can hold weights of this dtype in its blocked layout here (bf16 needs AVX-512)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_for_cpu(model: nn.Module, batch_hint: int = 8) -> nn.Module:
-    """Swap every nn.Linear of an fp32 CPU inference model for a PackedLinear (in place)."""
+    """Swap every nn.Linear of an fp32 or bf16 CPU inference model for a PackedLinear (in place)."""
     p = next(model.parameters())
-    if p.device.type != "cpu" or p.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if p.device.type != "cpu" or not packable(p.dtype):
         return model
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, PackedLinear(child, batch_hint))
+    return model
+
+
+def attend_row_by_row(model: nn.Module) -> nn.Module:
+    """Make every verification block attend one query at a time (in place), as a one-token step
+    does. Needed where activations are rounded coarsely (bf16, int8, int4): there the float noise of
+    a different attention kernel would turn into different tokens. The matmuls of these layouts give
+    each row the same bits whatever the rows around it (tests/test_model.py checks it)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.row_by_row = True
     return model
 
 
@@ -376,6 +389,61 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, Int8Linear(child))
-        if isinstance(module, Attention):
-            module.row_by_row = True
-    return model
+    return attend_row_by_row(model)
+
+
+INT4_GROUP = 32  # inputs per scale and offset, as in the GGUF Q4_1 blocks the default target ships in
+
+
+class Int4Linear(nn.Module):
+    """A frozen nn.Linear with 4-bit weights: each run of 32 inputs of an output row has its own
+    scale and offset (min-max rounding, asymmetric), multiplied by torch's CPU int4 kernel with bf16
+    activations. Q4_1 blocks are min-max rounded over 32 inputs too, so a weight dequantized from
+    the default target's GGUF file comes back to its original 4-bit code: for that target the
+    layout changes only the rounding of the scales (to bf16), not the weights' codes. A step reads
+    a quarter of bf16's bytes."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()  # (out, in)
+        out_features, in_features = w.shape
+        groups = w.view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)  # (out, in / 32)
+        scale = ((high - low) / 15).clamp_min(1e-12)
+        codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+        self.out_features = out_features
+        # the kernel computes (code - 8) * scale + zero
+        self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).view(out_features, in_features), 1))
+        scales_and_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)  # (in / 32, out, 2)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16))
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (m, in)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight_int4, INT4_GROUP, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    @property
+    def weight(self):  # what dense_weight and the draft initialisation read
+        eye = torch.eye(self.scales_and_zeros.shape[0] * INT4_GROUP, dtype=torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight_int4, INT4_GROUP,
+                                                          self.scales_and_zeros).t().float()
+
+
+def quantize_int4(model: nn.Module) -> nn.Module:
+    """Swap the nn.Linear layers of a CPU inference model for Int4Linear (in place) and make the
+    rest bf16, which the int4 kernel multiplies with. Quantize from fp32 weights: rounding them to
+    bf16 first would move some of a GGUF weight's codes. The output head shares the embedding table
+    (8-bit in the GGUF file, not 4) and stays bf16 in oneDNN's layout, as do layers whose inputs are
+    not a whole number of 32-input groups."""
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        raise ValueError("int4 weights run on the CPU only; use bfloat16 on a GPU")
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and name != "lm_head" and child.in_features % INT4_GROUP == 0:
+                setattr(module, name, Int4Linear(child))
+    return attend_row_by_row(pack_for_cpu(model.to(torch.bfloat16)))

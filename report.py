@@ -56,7 +56,7 @@ GSM8K_RUNS = [
     ("GSM8K draft, early exit", (0, 1), "fp32", f"{GSM8K_DRAFT}@ee", False),
     ("lookup + GSM8K draft, early exit, adaptive k", (0, 1), "fp32", f"lookup+{GSM8K_DRAFT}@ee@adapt", False),
 ]
-WEIGHTS = {"fp32": "packed", "bf16": "bfloat16", "int8": "int8"}  # as decode.load_target takes them
+WEIGHTS = {"fp32": "float32-packed", "bf16": "bfloat16-packed", "int8": "int8", "int4": "int4"}  # load_target layouts
 
 
 def task_prompts(task: str, limit: int, tokenizer) -> list:

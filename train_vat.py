@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import model as M
-from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_dirs, default_device, latest_checkpoint,
-                         load_target, machine_problem, save_checkpoint, start_processes)
+from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_dirs, default_device, experiment_layout,
+                         latest_checkpoint, load_target, machine_problem, save_checkpoint, start_processes)
 from corpus import (DEFAULT_DATA, Corpus, batches, build_corpus, build_dataset, corpus_batches, corpus_layers,
                     data_sources, draft_vocabulary, length_groups)
 from decode import generate, repo_path
@@ -531,7 +531,7 @@ def main(argv=None):
     rng = random.Random(args.seed + rank)
 
     # data: prompts, the target's own responses, a few held out for the real-tau check
-    target, tokenizer = load_target(args.target, device, "packed" if device == "cpu" else "bfloat16",
+    target, tokenizer = load_target(args.target, device, experiment_layout(device),
                                     args.max_prompt_tokens + args.response_tokens)
     target.setup_caches(args.gen_batch, args.max_prompt_tokens + args.response_tokens)
     corpus = Corpus(*build_corpus(target, tokenizer, args)) if args.features == "captured" else None

@@ -1,12 +1,18 @@
 """Shared fixtures: tiny random checkpoints written by transformers itself, and the default target."""
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-import checkpoints as CK
+# --dtype auto remembers its choice per model path: the tests' tiny models (and the scripts they
+# start) keep theirs in a file of this session, not in the user's cache
+os.environ["SPECDEC_LAYOUT_CACHE"] = str(Path(tempfile.mkdtemp(prefix="layouts-")) / "layouts.json")
+
+import checkpoints as CK  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

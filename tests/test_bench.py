@@ -10,7 +10,7 @@ import torch
 
 import bench
 import model as M
-from checkpoints import ROOT
+from checkpoints import CPU_FEATURES, ROOT
 
 
 
@@ -45,7 +45,7 @@ def test_quick_run_is_consistent(tmp_path):
     assert all(len(r["tokens"]) == r["new_tokens"] > 0 for rs in runs.values() for r in rs)
     assert all(Path(p).is_file() for p in result["plots"])
     machine = result["machine"]  # what it was measured on
-    assert machine["torch"] == torch.__version__ and set(machine["cpu_features"]) <= set(bench.CPU_FEATURES)
+    assert machine["torch"] == torch.__version__ and set(machine["cpu_features"]) <= set(CPU_FEATURES)
     assert machine["cpu"] and machine["cores"] >= 1 and machine["threads"] >= 1 and len(machine["commit"]) >= 7
     # results name files relative to the repository, never this machine's folders
     assert str(ROOT) not in out.read_text() and result["config"]["prompt_file"] == "data/spec_bench_questions.jsonl"
@@ -157,12 +157,12 @@ def test_paired_runs_pair_only_runs_with_a_twin():
     assert pairs["a greedy T=0 vs b"]["tau"]["ratio"] == 1.0
 
 
-def test_weights_quality_compares_int8_and_bf16_with_fp32(tmp_path):
+def test_weights_quality_compares_int8_bf16_and_int4_with_fp32(tmp_path):
     """--weights-quality: teacher-forced agreement and perplexity of each cheaper layout against fp32."""
     from test_train_vat import tiny_chat_target
     tiny_chat_target(tmp_path / "target")
     q = bench.weights_quality(str(tmp_path / "target"), n_texts=2, max_tokens=48)
-    assert set(q) == {"int8", "bfloat16"}
+    assert set(q) == {"int8", "bfloat16", "int4"}
     for r in q.values():
         assert r["tokens"] == 2 * 47 and 0.5 <= r["top1_agreement"] <= 1
         assert r["perplexity"] == pytest.approx(r["perplexity_fp32"], rel=0.2)  # random weights: close, not equal

@@ -121,13 +121,15 @@ def test_stop_token_inside_a_block_and_exact_budget(tiny):
 
 
 def test_default_target_prompt_lookup(smollm2_dir):
-    """On SmolLM2, prompt lookup + greedy verification gives plain decoding's text, with tau > 1."""
+    """On SmolLM2, prompt lookup + greedy verification gives plain decoding's text, with tau > 1.
+    (One layout for both runs: by default each run would take the layout timed fastest for its own
+    forwards, and two layouts are two models.)"""
     prompt = ("Repeat the following list exactly, one item per line: apples, bananas, cherries, dates, "
               "elderberries, figs, grapes.")
     r = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--prompt", prompt, "--max-new-tokens", "48",
-                        "--json", "--verifier", "none"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        "--json", "--verifier", "none", "--dtype", "int4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     s = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--prompt", prompt, "--max-new-tokens", "48",
-                        "--json", "-k", "6"],  # the default: prompt lookup with greedy verification at T = 0
+                        "--json", "-k", "6", "--dtype", "int4"],  # the default: prompt lookup with greedy verification at T = 0
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0 and s.returncode == 0, r.stderr + s.stderr
     plain, spec = json.loads(r.stdout.splitlines()[-1]), json.loads(s.stdout.splitlines()[-1])
@@ -138,18 +140,20 @@ def test_default_target_prompt_lookup(smollm2_dir):
     assert (spec["draft"], spec["verifier"], spec["temperature"]) == ("lookup", "greedy", 0.0)
     # every answer ends with what speculation did, on stderr
     summary = s.stderr.strip().splitlines()[-1]
-    assert summary.startswith("[lookup draft, greedy verifier, k=6, T=0]")
+    assert summary.startswith("[lookup draft, greedy verifier, k=6, T=0, int4 weights]")
     assert f"{spec['new_tokens']} tokens" in summary and f"tau {spec['tau']:.2f}" in summary
     assert f"{spec['target_forwards']} target forwards" in summary and f"{spec['drafted_tokens']} drafted" in summary
-    assert r.stderr.strip().splitlines()[-1].startswith(f"[plain decoding, T=0] {plain['new_tokens']} tokens")
+    assert r.stderr.strip().splitlines()[-1].startswith(f"[plain decoding, T=0, int4 weights] {plain['new_tokens']} tokens")
 
 
-def test_default_target_in_int8_decodes_exactly_like_itself(smollm2_dir):
-    """The int8 default target: greedy lookup speculation reproduces its own plain decoding bit for
-    bit (verification blocks attend row by row, and the int8 matmuls are exact per row)."""
+@pytest.mark.parametrize("layout", ["int8", "bfloat16-packed", "int4"])
+def test_default_target_in_coarse_layouts_decodes_exactly_like_itself(smollm2_dir, layout):
+    """The default target in int8, bf16 and int4: greedy lookup speculation reproduces its own plain
+    decoding bit for bit (verification blocks attend row by row, and the matmuls are exact per row;
+    with blocks attending at once, bf16 parted from plain decoding on 8 of 13 Spec-Bench questions)."""
     from checkpoints import load_target
     from tokenizer import load_tokenizer
-    target, tokenizer = load_target(str(smollm2_dir), "cpu", "int8", 512)
+    target, tokenizer = load_target(str(smollm2_dir), "cpu", layout, 512)
     ids = tokenizer.encode_chat([{"role": "user", "content": "Repeat the following list exactly, one item per "
                                   "line: apples, bananas, cherries, dates, elderberries, figs, grapes."}])
     plain = generate(target, ids, max_new_tokens=48, stop_ids=tokenizer.stop_ids)

@@ -83,14 +83,38 @@ def test_int8_linear_is_close_to_fp32_and_exact_per_row():
     assert torch.allclose(M.dense_weight(q), linear.weight, atol=linear.weight.abs().max().item() / 127)
 
 
-def test_int8_target_blocks_equal_one_token_steps(tiny_dir):
-    """A verification block on the int8 target gives bit for bit what one-token steps give."""
-    m = M.quantize_int8(ours(tiny_dir("qwen3_untied")))
-    tokens = torch.randint(0, 97, (1, 30))
+def test_int4_linear_keeps_4bit_codes_and_is_exact_per_row():
+    """Weights already on a Q4_1 grid (min-max codes 0..15 in groups of 32 inputs) come back to
+    the same codes: only the bf16 rounding of each group's scale and offset remains."""
+    torch.manual_seed(0)
+    step = torch.rand(48, 2, 1) * 0.01 + 0.001  # (out, groups, 1)
+    low = -torch.rand(48, 2, 1) * 0.05
+    codes = torch.randint(0, 16, (48, 2, 32))
+    codes[..., 0], codes[..., 1] = 0, 15  # Q4_1 maps a block's min to code 0 and its max to 15
+    linear = torch.nn.Linear(64, 48, bias=True)
+    linear.weight.data = (codes * step + low).view(48, 64)
+    q = M.Int4Linear(linear)
+    error = (M.dense_weight(q) - linear.weight).abs().view(48, 2, 32) / step
+    assert error.max() < 0.5  # within half a step of the right code: a wrong code is a whole step off
+    x = torch.randn(5, 3, 64)
+    ref = linear(x)
+    assert ((q(x) - ref).norm() / ref.norm()).item() < 0.02  # bf16 activations
+    assert all(torch.equal(q(x[:, i:i + 1]), q(x)[:, i:i + 1]) for i in range(3))
+
+
+@pytest.mark.parametrize("layout", ["int8", "bfloat16-packed", "bfloat16", "int4"])
+def test_coarse_layouts_give_blocks_the_bits_of_one_token_steps(tiny_dir, layout):
+    """A verification block on a target whose activations round coarsely gives bit for bit what
+    one-token steps give: its matmuls are exact per row, and its blocks attend row by row (after
+    200 tokens of context, where attending the block at once parts from one-token steps in int4)."""
+    m = CK.build_target(tiny_dir("qwen3_untied"), layout, "cpu", 256)
+    assert m.layers[0].self_attn.row_by_row
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 97, (1, 210))
     with torch.no_grad():
-        m(tokens[:, :20], torch.arange(20))
-        block, _ = m(tokens[:, 20:28], torch.arange(20, 28))
-        steps = [m(tokens[:, i:i + 1], torch.tensor([i]))[0] for i in range(20, 28)]
+        m(tokens[:, :200], torch.arange(200))
+        block, _ = m(tokens[:, 200:208], torch.arange(200, 208))
+        steps = [m(tokens[:, i:i + 1], torch.tensor([i]))[0] for i in range(200, 208)]
     assert torch.equal(block, torch.cat(steps, 1))
 
 
@@ -179,9 +203,11 @@ def run_decode(*args):
 
 
 def broken_copy(tiny_dir, tmp_path, how):
+    """A tiny checkpoint broken in one way, with a tokenizer (decode.py reads it first)."""
     src = tiny_dir("llama3", shard=True)
     dst = tmp_path / how
     shutil.copytree(src, dst)
+    shutil.copy(CK.resolve_model(CK.DEFAULT_TARGET) / "tokenizer.json", dst)
     if how == "missing_shard":
         next(dst.glob("model-00002-*.safetensors")).unlink()
     elif how == "wrong_shape":
@@ -229,3 +255,49 @@ def test_missing_directory_and_long_prompt(tmp_path, smollm2_dir):
     assert r.returncode != 0 and "c >= 1" in r.stderr
     r = run_decode("--verifier", "magic")
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+def test_auto_layout_times_the_candidates_once_and_remembers_them(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--dtype auto: every candidate is built and timed, the fastest is loaded, and the choice is
+    read back on the next load; a corrupt cache is named and measured again; a measurement made
+    beside a busy core is used but not remembered."""
+    cache = tmp_path / "layouts.json"
+    monkeypatch.setattr(CK, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(CK, "idle_cores", lambda: 64.0)
+    timed = []
+    monkeypatch.setattr(CK, "step_seconds", lambda target, block: timed.append(target.layout) or
+                        {"float32": 0.001}.get(target.layout, 0.002))
+    path = tmp_path / "tiny"
+    shutil.copytree(tiny_dir("llama3"), path)
+    shutil.copy(CK.resolve_model(CK.DEFAULT_TARGET) / "tokenizer.json", path)
+    target, _ = CK.load_target(str(path), "cpu", "auto", 64, block=8)
+    assert target.layout == "float32" and timed == CK.layout_candidates(path)
+    assert "int4" not in timed  # its weights are not 4-bit at their source
+    assert json.loads(cache.read_text()).popitem()[1]["layout"] == "float32"
+    timed.clear()
+    assert CK.load_target(str(path), "cpu", "auto", 64, block=8)[0].layout == "float32" and not timed
+    assert CK.load_target(str(path), "cpu", "auto", 64, block=1)[0].layout == "float32" and timed  # another key
+    cache.write_text("{not json")
+    timed.clear()
+    CK.load_target(str(path), "cpu", "auto", 64, block=8)
+    assert timed and "unreadable" in capsys.readouterr().err
+    cache.unlink()
+    monkeypatch.setattr(CK, "idle_cores", lambda: 0.0)
+    assert CK.load_target(str(path), "cpu", "auto", 64)[0].layout == "float32"
+    assert not cache.exists() and "used for this run only" in capsys.readouterr().err
+
+
+def test_layout_flags(tiny_dir):
+    """--dtype as load_target takes it; int4 is a candidate where the weights are 4-bit at source."""
+    assert CK.target_layout(None, "cpu", False) == "auto"
+    assert CK.target_layout("auto", "cpu", True) == "float32"  # inductor packs its own
+    assert CK.target_layout("float32", "cpu", False) == "float32-packed"
+    assert CK.target_layout("float32", "cpu", False, pack=False) == "float32"
+    assert CK.target_layout("int4", "cpu", False) == "int4"
+    with pytest.raises(ValueError, match="int4 runs on the CPU"):
+        CK.target_layout("int4", "cpu", True)
+    config = json.loads((tiny_dir("llama3") / "config.json").read_text())
+    assert "source_quantization" not in config
+    if M.packable(torch.bfloat16):
+        converted = CK.resolve_model(CK.DEFAULT_TARGET)
+        assert "int4" in CK.layout_candidates(converted)
