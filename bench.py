@@ -33,9 +33,10 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, compile_step,
-                        cpu_description, default_device, embedded_gguf_path, load_target, machine_problem,
-                        pick_threads, resolve_model, target_layout, wants_compile, write_atomically)
+from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, LAYOUTS, ROOT, apply_layout, build_draft,
+                        compile_step, cpu_description, default_device, embedded_gguf_path, layout_dtype,
+                        load_target, machine_problem, pick_threads, resolve_model, target_layout, wants_compile,
+                        write_atomically)
 from decode import check_prompt, check_temperature, generate, prompt_text, read_jsonl, repo_path, repo_relative
 from draft import AdaptiveDraft
 from verify import VERIFIERS, Verifier
@@ -388,61 +389,74 @@ def random_target(shape: dict, device: str, dtype: torch.dtype) -> M.Transformer
     return net
 
 
-def decode_speed_table(names, device: str, dtype: torch.dtype, compile_modes=(False, True),
-                       int8: bool = False, verify_k=(3, 5, 7), context: int = 256, reps: int = 20,
-                       copy_bytes: int = 1 << 30):
-    """Per shape: one decode step compiled and/or eager (packed fp32 on a CPU), and with int8
-    weights when asked (CPU), against the bandwidth floor of the bytes that step reads."""
+def bytes_read_per_step(net: M.Transformer) -> int:
+    """The bytes of weights a one-token step reads: every parameter and weight buffer (quantized
+    codes and their scales, oneDNN-packed weights), the embedding table only as a tied lm_head (a
+    step reads one row of it otherwise); not the KV cache or the RoPE tables."""
+    tensors = {}
+    for path, module in net.named_modules():
+        if path == "embed_tokens" or isinstance(module, M.KVCache):
+            continue
+        own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+        if isinstance(module, M.PackedLinear):  # its weight and bias are plain attributes
+            own.update(weight=module.weight, bias=module.bias)
+        for name, t in own.items():
+            if t is not None and not (path == "" and name.startswith("rope_")):
+                tensors[id(t)] = t
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def cpu_layouts() -> list:
+    """The layouts the CPU decode table times: every one load_target builds but float16."""
+    return [layout for layout in LAYOUTS if layout != "float16" and
+            not (layout == "bfloat16-packed" and not M.packable(torch.bfloat16))]
+
+
+def decode_speed_table(names, device: str, layouts, compile_modes=(False, True), verify_k=(3, 5, 7),
+                       context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30):
+    """Per shape and weight layout: one decode step (eager, and compiled for the unpacked fp32 (CPU)
+    or bf16 (CUDA) layout when asked), against the bandwidth floor of the bytes that step reads, and
+    what verifying k+1 tokens costs against it."""
     bandwidth = copy_bandwidth(device, copy_bytes)
+    compilable = "bfloat16" if device.startswith("cuda") else "float32"
     rows = []
     for name in tqdm(names, desc="decode-speed table", file=sys.stderr):
-        net = random_target(SHAPES[name], device, dtype)
-        net.setup_caches(1, context + max(verify_k) + 1)
-        # a step reads every weight but the embedding table, of which it reads one row (unless tied)
-        read = {id(p): p for n, p in net.named_parameters() if n != "embed_tokens.weight"}
-        read[id(net.lm_head.weight)] = net.lm_head.weight
-        weight_bytes = sum(p.numel() * p.element_size() for p in read.values())
-        linear_numel = sum(m.weight.numel() for m in net.modules() if isinstance(m, torch.nn.Linear))
-        params_b = sum(p.numel() for p in {id(p): p for p in net.parameters()}.values()) / 1e9
-        tokens = torch.randint(0, net.args.vocab_size, (1, context + max(verify_k) + 1), device=device)
+        for layout in layouts:
+            net = random_target(SHAPES[name], device, layout_dtype(layout))
+            params_b = sum(p.numel() for p in {id(p): p for p in net.parameters()}.values()) / 1e9
+            apply_layout(net, layout, device)
+            net.setup_caches(1, context + max(verify_k) + 1)
+            step_bytes = bytes_read_per_step(net)
+            tokens = torch.randint(0, net.args.vocab_size, (1, context + max(verify_k) + 1), device=device)
 
-        def measure(step, weights: str, compile_mode, step_bytes):
-            def forward(n):  # n query tokens at the end of the context (a rewrite of the same slots)
-                pos = torch.arange(context, context + n, device=device)
-                return lambda: step(tokens[:, context:context + n], pos)
-            t0 = time.perf_counter()
-            one = seconds_per_call(forward(1), device, reps)
-            verify = {k + 1: seconds_per_call(forward(k + 1), device, reps) / one for k in verify_k}
-            rows.append({"target": name, "compiled": compile_mode is not None, "compile_mode": compile_mode,
-                         "dtype": weights, "params_b": params_b, "weight_gb_per_step": step_bytes / 1e9,
-                         "bandwidth_gb_s": bandwidth / 1e9, "floor_ms": 1e3 * step_bytes / bandwidth,
-                         "ms_per_token": 1e3 * one, "tokens_per_s": 1 / one,
-                         "fraction_of_floor": step_bytes / bandwidth / one, "verify_cost": verify,
-                         "wall_s": time.perf_counter() - t0})
+            def measure(step, compile_mode):
+                def forward(n):  # n query tokens at the end of the context (a rewrite of the same slots)
+                    pos = torch.arange(context, context + n, device=device)
+                    return lambda: step(tokens[:, context:context + n], pos)
+                t0 = time.perf_counter()
+                one = seconds_per_call(forward(1), device, reps)
+                verify = {k + 1: seconds_per_call(forward(k + 1), device, reps) / one for k in verify_k}
+                rows.append({"target": name, "compiled": compile_mode is not None, "compile_mode": compile_mode,
+                             "layout": layout, "params_b": params_b, "weight_gb_per_step": step_bytes / 1e9,
+                             "bandwidth_gb_s": bandwidth / 1e9, "floor_ms": 1e3 * step_bytes / bandwidth,
+                             "ms_per_token": 1e3 * one, "tokens_per_s": 1 / one,
+                             "fraction_of_floor": step_bytes / bandwidth / one, "verify_cost": verify,
+                             "wall_s": time.perf_counter() - t0})
 
-        with torch.no_grad():
-            net(tokens[:, :context], torch.arange(context, device=device))  # fill the cache once
-            dtype_name = str(dtype).replace("torch.", "")
-            for compiled in sorted(compile_modes, reverse=True):
-                net.attend_full_cache = compiled  # static shapes: one graph per query length
-                if compiled:  # on CUDA, CUDA graphs remove the per-kernel launch cost that dominates
-                    cuda = device.startswith("cuda")
-                    step = compile_step(net, "reduce-overhead" if cuda else "default")
-                    measure(step, dtype_name, "reduce-overhead" if cuda else "freezing", weight_bytes)
-                else:  # eager CPU steps run on packed weights, as decode.py's fp32 ones do; inductor packs
-                    M.pack_for_cpu(net)  # its own (a no-op off the CPU)
-                    measure(net, dtype_name, None, weight_bytes)
-            if int8:  # the same random weights, one byte each in every Linear (scales are noise)
-                quantized = M.quantize_int8(random_target(SHAPES[name], device, torch.float32))
-                quantized.setup_caches(1, context + max(verify_k) + 1)
-                quantized(tokens[:, :context], torch.arange(context, device=device))
-                measure(quantized, "int8", None, weight_bytes - linear_numel * (dtype.itemsize - 1))
-                del quantized
-        del net
-        torch._dynamo.reset()  # drop the compiled graphs of this shape before the next one
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-    return sorted(rows, key=lambda r: (names.index(r["target"]), r["compiled"], r["dtype"] == "int8"))
+            with torch.no_grad():
+                net(tokens[:, :context], torch.arange(context, device=device))  # fill the cache once
+                if False in compile_modes:
+                    measure(net, None)
+                if True in compile_modes and layout == compilable:
+                    net.attend_full_cache = True  # static shapes: one graph per query length
+                    cuda = device.startswith("cuda")  # CUDA graphs remove the per-kernel launch cost there
+                    measure(compile_step(net, "reduce-overhead" if cuda else "default"),
+                            "reduce-overhead" if cuda else "freezing")
+            del net
+            torch._dynamo.reset()  # drop the compiled graphs before the next layout
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return rows
 
 
 QUALITY_WEIGHTS = {"int8": "int8", "bfloat16": "bfloat16-packed", "int4": "int4"}  # compared with fp32
@@ -682,7 +696,7 @@ def print_report(args, summary: dict, table: list):
         print("|---|---|---|---|---|---|---|" + "---|" * len(ks))
         for r in table:
             costs = " | ".join(f"{v:.2f}x" for v in r["verify_cost"].values())
-            print(f"| {r['target']}, {r['dtype']} | {r['compile_mode'] or 'eager'} | "
+            print(f"| {r['target']}, {r['layout']} | {r['compile_mode'] or 'eager'} | "
                   f"{r['weight_gb_per_step']:.2f} GB | "
                   f"{r['floor_ms']:.2f} ms | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | "
                   f"{100 * r['fraction_of_floor']:.0f}% | {costs} |")
@@ -692,7 +706,6 @@ def main(argv=None):
     args = get_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(pick_threads(args.threads))
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     summary, records, paired = {}, {}, {}
     if not args.speed_off:
         layout = target_layout(args.dtype, args.device, args.compile)
@@ -705,8 +718,8 @@ def main(argv=None):
         paired = paired_runs(args.paired, records)
         del target
         args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
-    table = decode_speed_table(args.decode_table, args.device, dtype, args.decode_table_compile,
-                               int8=args.device == "cpu",
+    layouts = cpu_layouts() if args.device == "cpu" else ["bfloat16"]
+    table = decode_speed_table(args.decode_table, args.device, layouts, args.decode_table_compile,
                                verify_k=sorted({3, 5, 7, args.num_draft_tokens})) if args.decode_table else []
     quality = weights_quality(args.target, args.weights_quality) if args.weights_quality else {}
     print_report(args, summary, table)
@@ -740,7 +753,7 @@ def main(argv=None):
     print(json.dumps({"results": str(out), "best": best, "best_speedup": speedups.get(best),
                       "tokens_per_s": {n: s["tokens_per_s_median"] for n, s in summary.items()},
                       "tau": {n: s["tau"] for n, s in summary.items() if s["tau"]},
-                      "decode_tokens_per_s": {f"{r['target']} {r['dtype']} {r['compile_mode'] or 'eager'}":
+                      "decode_tokens_per_s": {f"{r['target']} {r['layout']} {r['compile_mode'] or 'eager'}":
                                               r["tokens_per_s"] for r in table}}))
 
 

@@ -746,21 +746,29 @@ LAYOUTS = ("float32-packed", "float32", "bfloat16-packed", "bfloat16", "float16"
 LAYOUT_CACHE = Path(os.environ.get("SPECDEC_LAYOUT_CACHE") or cache_dir() / "layouts.json")
 
 
+def layout_dtype(layout: str) -> torch.dtype:
+    """The dtype a model is loaded in before `layout` is applied (int8 and int4 quantize from fp32)."""
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(layout.removesuffix("-packed"), torch.float32)
+
+
+def apply_layout(model: M.Transformer, layout: str, device: str) -> M.Transformer:
+    """Put a model just loaded in layout_dtype(layout) into `layout` (in place)."""
+    if layout == "int8":
+        M.quantize_int8(model)
+    elif layout == "int4":
+        M.quantize_int4(model)  # from the fp32 weights, then the rest in bf16
+    elif layout.endswith("-packed"):
+        M.pack_for_cpu(model)
+    if layout.startswith("bfloat16") and device == "cpu":
+        M.attend_row_by_row(model)
+    model.layout = layout
+    return model
+
+
 def build_target(path: Path, layout: str, device: str, max_seq_len: int) -> M.Transformer:
     """The model at `path` in `layout`, caches allocated, ready for inference."""
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(layout.removesuffix("-packed"),
-                                                                        torch.float32)
-    target = load_model(path, dtype=dtype, device=device)
-    if layout == "int8":
-        M.quantize_int8(target)
-    elif layout == "int4":
-        M.quantize_int4(target)  # from the fp32 weights, then the rest in bf16
-    elif layout.endswith("-packed"):
-        M.pack_for_cpu(target)
-    if layout.startswith("bfloat16") and device == "cpu":
-        M.attend_row_by_row(target)
+    target = apply_layout(load_model(path, dtype=layout_dtype(layout), device=device), layout, device)
     target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))  # in the final dtype
-    target.layout = layout
     return target
 
 

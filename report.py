@@ -29,7 +29,8 @@ import torch
 
 import bench
 import model as M
-from checkpoints import DATA, DEFAULT_TARGET, ROOT, load_target, pick_threads, resolve_model, write_atomically
+from checkpoints import (CPU_FEATURES, DATA, DEFAULT_TARGET, ROOT, load_target, pick_threads, resolve_model,
+                         write_atomically)
 from decode import prompt_text, read_jsonl
 
 RESULTS = ROOT / "docs" / "results.json"
@@ -43,10 +44,14 @@ SPEC_BENCH_RUNS = [
     ("plain decoding, fp32", (0, 1), "fp32", None, False),
     ("plain decoding, bf16 weights", (0,), "bf16", None, False),
     ("plain decoding, int8 weights", (0,), "int8", None, False),
+    ("plain decoding, int4 weights", (0,), "int4", None, False),
+    ("plain decoding, --dtype auto", (0, 1), "auto-plain", None, False),
     ("transformers generate, fp32", (0, 1), None, None, True),
     ("prompt lookup", (0, 1), "fp32", "lookup", False),
     ("prompt lookup, int8 weights", (0,), "int8", "lookup", False),
-    ("general EAGLE-3 draft, early exit", (0, 1), "fp32", f"{GENERAL_DRAFT}@ee", False),
+    ("prompt lookup, int4 weights", (0,), "int4", "lookup", False),
+    ("prompt lookup, --dtype auto (decode.py's default)", (0, 1), "auto-speculative", "lookup", False),
+    ("general EAGLE-3 draft, early exit", (0,), "fp32", f"{GENERAL_DRAFT}@ee", False),
     ("lookup + GSM8K draft, early exit", (0, 1), "fp32", f"lookup+{GSM8K_DRAFT}@ee", False),
 ]
 GSM8K_RUNS = [
@@ -56,7 +61,10 @@ GSM8K_RUNS = [
     ("GSM8K draft, early exit", (0, 1), "fp32", f"{GSM8K_DRAFT}@ee", False),
     ("lookup + GSM8K draft, early exit, adaptive k", (0, 1), "fp32", f"lookup+{GSM8K_DRAFT}@ee@adapt", False),
 ]
-WEIGHTS = {"fp32": "float32-packed", "bf16": "bfloat16-packed", "int8": "int8", "int4": "int4"}  # load_target layouts
+# load_target's layouts; the auto ones are timed on this machine, for one-token forwards (plain
+# decoding) and for k+1-token ones (speculation), as decode.py's default does
+WEIGHTS = {"fp32": "float32-packed", "bf16": "bfloat16-packed", "int8": "int8", "int4": "int4",
+           "auto-plain": "auto", "auto-speculative": "auto"}
 
 
 def task_prompts(task: str, limit: int, tokenizer) -> list:
@@ -69,46 +77,53 @@ def task_prompts(task: str, limit: int, tokenizer) -> list:
     return [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in chosen]
 
 
-def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> list:
-    """bench.Run objects for a table; the fp32 plain run at each temperature is the baseline."""
-    runs = []
+def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> tuple:
+    """bench.Run objects for a table, the fp32 plain run at each temperature the baseline, and
+    {run name: the layout its target ran in (what --dtype auto chose, for the auto runs)}."""
+    runs, layouts = [], {}
     for label, temperatures, weights, spec, peer in table:
         for t in temperatures:
             name = "baseline" if (weights, spec) == ("fp32", None) else label
             if peer:
                 runs.append(bench.Run(f"{name} T={t:g}", t, peer=bench.hf_peer(
                     resolve_model(DEFAULT_TARGET), "generate", k)))
+                layouts[runs[-1].name] = "transformers float32"
                 continue
             target = targets[weights]
             draft = None if spec is None else bench.make_draft(spec, target, tokenizer, t, generator)
             runs.append(bench.Run(f"{name} T={t:g}", t, target, draft))
-    return runs
+            layouts[runs[-1].name] = target.layout
+    return runs, layouts
 
 
-def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> dict:
-    """Load the target in each weight layout, run every table, and return the results file."""
+def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> tuple:
+    """Load the target in each weight layout, run every table: (tasks' results, the auto layouts)."""
     targets = {}
-    for key, weights in WEIGHTS.items():
-        targets[key], tokenizer = load_target(DEFAULT_TARGET, "cpu", weights, 4096)
+    for key, layout in WEIGHTS.items():
+        block = k + 1 if key == "auto-speculative" else 1
+        targets[key], tokenizer = load_target(DEFAULT_TARGET, "cpu", layout, 4096, block)
+    auto = {key: {"block": k + 1 if key == "auto-speculative" else 1, "layout": t.layout, "ms": t.layout_ms}
+            for key, t in targets.items() if key.startswith("auto")}
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for task, (table, limit) in tasks.items():
         t0 = time.perf_counter()
-        runs = build_runs(table, targets, tokenizer, generator, k)
+        runs, layouts = build_runs(table, targets, tokenizer, generator, k)
         prompts = task_prompts(task, limit, tokenizer)
         records = bench.interleave(runs, prompts, k, max_new_tokens, tokenizer.stop_ids, generator, "cpu",
                                    warmup=1, desc=f"{task} (prompts)")
-        labels = {run.name: run.name.replace("baseline", table[0][0]) for run in runs}
-        out[task] = {"prompts": len(prompts), "labels": labels,
+        labels = {run.name: run.name.replace("baseline", table[0][0]).replace(
+            "--dtype auto", f"--dtype auto = {layouts[run.name]}") for run in runs}
+        out[task] = {"prompts": len(prompts), "labels": labels, "layouts": layouts,
                      "summary": bench.summarize(records, {run.name: run.temperature for run in runs}),
                      "seconds": time.perf_counter() - t0, "runs": records}
-    return out
+    return out, auto
 
 
 def render(results: dict) -> str:
     """README's results section, from the results file alone."""
     m = results["machine"]
-    features = ", ".join(m["cpu_features"]) or "none of " + ", ".join(bench.CPU_FEATURES)
+    features = ", ".join(m["cpu_features"]) or "none of " + ", ".join(CPU_FEATURES)
     lines = [BEGIN,
              f"Measured by `{results['command']}` on {m['cpu']} ({features}), {m['cores']} cores, "
              f"{m['threads']} threads, torch {m['torch']}, commit {m['commit']}, {m['date']}; "
@@ -116,6 +131,12 @@ def render(results: dict) -> str:
              f"k = {results['k']}. tokens/s counts the prompt's prefill; speedup is the median over prompts of "
              f"the ratio to plain fp32 decoding at the same temperature on the same prompt (interquartile range "
              f"in brackets); tau is tokens per target forward.", ""]
+    auto = results.get("auto_layouts", {})
+    if auto:
+        chosen = "; ".join(f"{a['layout']} for {a['block']}-token forwards ("
+                           + ", ".join(f"{layout} {ms:.1f} ms" for layout, ms in a["ms"].items()) + ")"
+                           for a in auto.values())
+        lines += [f"`--dtype auto` timed the weight layouts on this machine and chose {chosen}.", ""]
     for task, table in results["tasks"].items():
         lines += [f"**{task}** ({table['prompts']} prompt{'s' if table['prompts'] > 1 else ''})", "",
                   "| run | T | tau | tokens/s | speedup |", "|---|---|---|---|---|"]
@@ -164,11 +185,12 @@ def main(argv=None):
     torch.set_num_threads(pick_threads(args.threads))
     machine = bench.machine_stamp("cpu")  # before the runs: the commit measured, not one made during them
     t0 = time.perf_counter()
-    tasks = measure({"Spec-Bench": (SPEC_BENCH_RUNS, args.spec_bench), "GSM8K test": (GSM8K_RUNS, args.gsm8k)},
-                    args.max_new_tokens, args.num_draft_tokens, args.seed)
+    tasks, auto = measure({"Spec-Bench": (SPEC_BENCH_RUNS, args.spec_bench), "GSM8K test": (GSM8K_RUNS, args.gsm8k)},
+                          args.max_new_tokens, args.num_draft_tokens, args.seed)
     command = "python report.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     results = {"command": command, "machine": machine, "max_new_tokens": args.max_new_tokens,
-               "k": args.num_draft_tokens, "seed": args.seed, "seconds": time.perf_counter() - t0, "tasks": tasks}
+               "k": args.num_draft_tokens, "seed": args.seed, "seconds": time.perf_counter() - t0,
+               "auto_layouts": auto, "tasks": tasks}
     bench.write_results(out, results)
     write_readme_table(results, readme)
     print(render(results))

@@ -69,7 +69,7 @@ def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, com
     net = bench.random_target(shape, "cpu", torch.float32)
     assert (net.lm_head.weight.data_ptr() == net.embed_tokens.weight.data_ptr()) == tied
     assert all(p.isfinite().all() for p in net.parameters())
-    rows = bench.decode_speed_table(["tiny"], "cpu", torch.float32, compile_modes=(compiled,),
+    rows = bench.decode_speed_table(["tiny"], "cpu", ["float32"], compile_modes=(compiled,),
                                     verify_k=(3, 7), context=32, reps=3, copy_bytes=1 << 24)
     (row,) = rows
     assert row["compiled"] == compiled and (row["compile_mode"] == "freezing") == compiled
@@ -86,13 +86,19 @@ def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, com
     assert row["params_b"] * 1e9 == pytest.approx(floats + (0 if tied else 320 * d))
     if compiled:
         return
-    # int8: every Linear weight (the lm_head too) one byte a value, the norms still fp32
-    rows = bench.decode_speed_table(["tiny"], "cpu", torch.float32, compile_modes=(False,), int8=True,
+    # the other layouts, by hand: packed fp32 the same bytes; int8 one byte a Linear weight (the
+    # lm_head too) and an fp32 scale per output; int4 half a byte a weight and two bf16 per group of
+    # 32, its lm_head and norms bf16
+    rows = bench.decode_speed_table(["tiny"], "cpu", ["float32-packed", "int8", "int4"], compile_modes=(False,),
                                     verify_k=(3,), context=32, reps=3, copy_bytes=1 << 24)
-    assert [r["dtype"] for r in rows] == ["float32", "int8"]
+    assert [r["layout"] for r in rows] == ["float32-packed", "int8", "int4"]
     norms = 2 * (2 * d + 2 * hd) + d
-    assert rows[1]["weight_gb_per_step"] * 1e9 == (floats - norms) + 4 * norms
-
+    linear_rows = 2 * (4 * hd + 2 * 2 * hd + d + 2 * f + d) + 320  # output features of every Linear
+    assert rows[0]["weight_gb_per_step"] == row["weight_gb_per_step"]
+    assert rows[1]["weight_gb_per_step"] * 1e9 == (floats - norms) + 4 * norms + 4 * linear_rows
+    head = 320 * d
+    assert rows[2]["weight_gb_per_step"] * 1e9 == (floats - norms - head) / 2 + (floats - norms - head) / 32 * 4 \
+        + 2 * (norms + head)
 
 
 def run_bench(*argv, timeout=120):
