@@ -753,6 +753,8 @@ def layout_dtype(layout: str) -> torch.dtype:
 
 def apply_layout(model: M.Transformer, layout: str, device: str) -> M.Transformer:
     """Put a model just loaded in layout_dtype(layout) into `layout` (in place)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown weight layout {layout!r}; one of {', '.join(LAYOUTS)}")
     if layout == "int8":
         M.quantize_int8(model)
     elif layout == "int4":

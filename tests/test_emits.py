@@ -260,7 +260,7 @@ def test_default_target_samples_its_own_distribution(smollm2_dir):
     """Plain sampling at T = 1 on SmolLM2: 100 first tokens against the softmax (goodness of fit;
     four tokens carry 73% of the mass here)."""
     from checkpoints import load_target
-    target, tokenizer = load_target(str(smollm2_dir), "cpu", "packed", 64)
+    target, tokenizer = load_target(str(smollm2_dir), "cpu", "float32-packed", 64)
     prompt = tokenizer.encode("The best thing about the sea is")
     with torch.no_grad():
         logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt)))
