@@ -290,6 +290,8 @@ def summarize(records: dict, temperatures: dict) -> dict:
             "peak_memory_mb": max(r["peak_memory_mb"] for r in rs),
             "new_tokens": sum(r["new_tokens"] for r in rs),
             "target_forwards": sum(r["target_forwards"] or 0 for r in rs),
+            # at T = 0 an exact run of ours emits the baseline's tokens on every prompt
+            "prompts_with_the_baseline_tokens": sum(r["tokens"] == b["tokens"] for r, b in zip(rs, base)),
         }
     return summary
 

@@ -16,7 +16,8 @@ from checkpoints import CPU_FEATURES, ROOT
 
 def test_quick_run_is_consistent(tmp_path):
     out = tmp_path / "quick.json"
-    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--quick", "--drafts", "lookup", "--out", str(out)],
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--quick", "--drafts", "lookup", "--dtype", "float32",
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     headline = json.loads(r.stdout.strip().splitlines()[-1])
@@ -42,6 +43,8 @@ def test_quick_run_is_consistent(tmp_path):
     assert speed["baseline T=0"]["tau"] == 1.0
     # greedy speculative decoding changes nothing but speed: the same tokens as the baseline
     assert [r["tokens"] for r in runs["lookup greedy T=0"]] == [r["tokens"] for r in runs["baseline T=0"]]
+    assert speed["lookup greedy T=0"]["prompts_with_the_baseline_tokens"] == 2
+    assert result["config"]["layout"] == "float32-packed" and result["config"]["layout_ms"] == {}
     assert all(len(r["tokens"]) == r["new_tokens"] > 0 for rs in runs.values() for r in rs)
     assert all(Path(p).is_file() for p in result["plots"])
     machine = result["machine"]  # what it was measured on
