@@ -272,10 +272,12 @@ def get_args(argv=None):
                          f"below this (bare flag: the threshold the draft's config records, else "
                          f"{EARLY_EXIT_DEFAULT}; the VAT paper uses 0.5 for EAGLE-3 and 0.6 for DFlash, which "
                          f"suit drafts with a confident head)")
-    ap.add_argument("--adaptive", action="store_true",
+    ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                     help="set each step's draft length from recent acceptance (+2 after a block kept "
                          "whole, the kept length + 1 after a rejection) and pause drafting after blocks that "
-                         "keep nothing")
+                         "keep nothing. Default: on with the default prompt-lookup draft (where a verification "
+                         "block costs several one-token steps, as in int4, drafting k tokens on every miss "
+                         "costs more than lookup's hits return), off otherwise")
     ap.add_argument("--p-base", type=float, default=0.1, help="minp: keep x iff p(x) >= p_base * max p")
     ap.add_argument("--eps", type=float, default=3e-4,
                     help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p))); 3e-4 is eta-sampling's "
@@ -371,6 +373,8 @@ def check_and_complete(ap, args):
         args.verifier = "none" if args.draft is None else ("greedy" if args.temperature == 0 else "lossless")
     if args.verifier != "none" and args.draft is None:
         args.draft = "lookup"  # a verifier needs something to verify; the training-free draft
+    if args.adaptive is None:
+        args.adaptive = args.draft == "lookup"
 
 
 def make_verifier(name: str, temperature: float, **params) -> Verifier:

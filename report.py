@@ -50,7 +50,7 @@ SPEC_BENCH_RUNS = [
     ("prompt lookup", (0, 1), "fp32", "lookup", False),
     ("prompt lookup, int8 weights", (0,), "int8", "lookup", False),
     ("prompt lookup, int4 weights", (0,), "int4", "lookup", False),
-    ("prompt lookup, --dtype auto (decode.py's default)", (0, 1), "auto-speculative", "lookup", False),
+    ("adaptive prompt lookup, --dtype auto (decode.py's default)", (0, 1), "auto-speculative", "lookup@adapt", False),
     ("general EAGLE-3 draft, early exit", (0,), "fp32", f"{GENERAL_DRAFT}@ee", False),
     ("lookup + GSM8K draft, early exit", (0, 1), "fp32", f"lookup+{GSM8K_DRAFT}@ee", False),
 ]
@@ -60,6 +60,7 @@ GSM8K_RUNS = [
     ("GSM8K draft", (0, 1), "fp32", GSM8K_DRAFT, False),
     ("GSM8K draft, early exit", (0, 1), "fp32", f"{GSM8K_DRAFT}@ee", False),
     ("lookup + GSM8K draft, early exit, adaptive k", (0, 1), "fp32", f"lookup+{GSM8K_DRAFT}@ee@adapt", False),
+    ("adaptive prompt lookup, --dtype auto (decode.py's default)", (0, 1), "auto-speculative", "lookup@adapt", False),
 ]
 # load_target's layouts; the auto ones are timed on this machine, for one-token forwards (plain
 # decoding) and for k+1-token ones (speculation), as decode.py's default does

@@ -167,7 +167,8 @@ def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
     from checkpoints import DEFAULT_DRAFTS
     from decode import get_args
     a = get_args([])
-    assert (a.draft, a.verifier, a.temperature) == ("lookup", "greedy", 0.0)
+    assert (a.draft, a.verifier, a.temperature, a.adaptive) == ("lookup", "greedy", 0.0, True)
+    assert not get_args(["--no-adaptive"]).adaptive and not get_args(["--draft", "drafts/x"]).adaptive
     a = get_args(["--temperature", "1"])
     assert (a.draft, a.verifier) == ("lookup", "lossless")  # exact, and ahead of plain sampling in the report
     assert get_args(["--temperature", "1", "--verifier", "none"]).draft is None
