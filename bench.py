@@ -461,6 +461,41 @@ def decode_speed_table(names, device: str, layouts, compile_modes=(False, True),
     return rows
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_int_mm", "mkldnn::_linear_pointwise",
+              "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
+
+
+@torch.no_grad()
+def step_profile(target, blocks=(1, 8), context: int = 64) -> dict:
+    """Where a forward of the loaded target spends its time on this machine, for each block size:
+    the profiled time of the matmuls (the weights), of attention and of every other op, with
+    their call counts. (The profiler adds a little to each call, so the total runs above a timed
+    step's.)"""
+    from torch.profiler import ProfilerActivity, profile
+    tokens = torch.randint(0, target.args.vocab_size, (1, context + max(blocks)))
+    target(tokens[:, :context], torch.arange(context))
+    out = {}
+    for n in blocks:
+        def step():
+            target(tokens[:, context:context + n], torch.arange(context, context + n))
+        for _ in range(3):
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        parts = {"matmul": [0.0, 0], "attention": [0.0, 0], "other": [0.0, 0]}
+        for event in prof.key_averages():
+            kind = "matmul" if event.key in MATMUL_OPS else \
+                "attention" if "scaled_dot_product" in event.key else "other"
+            parts[kind][0] += event.self_cpu_time_total / 1e3
+            # (an attention call runs a kernel op inside it: count the call once)
+            parts[kind][1] += event.count if kind != "attention" or event.key == "aten::scaled_dot_product_attention" \
+                else 0
+        out[n] = {"profiled_ms": sum(ms for ms, _ in parts.values()),
+                  **{f"{kind}_ms": ms for kind, (ms, _) in parts.items()},
+                  **{f"{kind}_calls": calls for kind, (_, calls) in parts.items()}}
+    return out
+
+
 QUALITY_WEIGHTS = {"int8": "int8", "bfloat16": "bfloat16-packed", "int4": "int4"}  # compared with fp32
 
 
@@ -574,6 +609,9 @@ def get_args(argv=None):
     ap.add_argument("--weights-quality", type=int, default=0, metavar="N",
                     help="compare the int8, bf16 and int4 targets with fp32 on N held-out GSM8K texts: top-1 "
                          "agreement and perplexity (CPU)")
+    ap.add_argument("--profile-step", action="store_true",
+                    help="profile a one-token and a k+1-token forward of the target in its layout: time in "
+                         "matmuls, attention and everything else, with call counts (what is left to cut)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
     ap.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
     ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
@@ -708,18 +746,21 @@ def main(argv=None):
     args = get_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(pick_threads(args.threads))
-    summary, records, paired = {}, {}, {}
-    if not args.speed_off:
+    summary, records, paired, profiled = {}, {}, {}, {}
+    if not args.speed_off or args.profile_step:
         layout = target_layout(args.dtype, args.device, args.compile)
         target, tokenizer = load_target(args.target, args.device, layout, 4096, args.num_draft_tokens + 1)
         args.layout, args.layout_ms = target.layout, target.layout_ms  # into the results' config
+    if args.profile_step:
+        profiled = step_profile(target, blocks=(1, args.num_draft_tokens + 1))
+    if not args.speed_off:
         args.step_fn = compile_step(target) if args.compile else None
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
         records, temperatures = speed_runs(args, target, tokenizer, generator)
         summary = summarize(records, temperatures)
         paired = paired_runs(args.paired, records)
-        del target
         args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
+    target = None  # the decode table and the quality check want the memory
     layouts = cpu_layouts() if args.device == "cpu" else ["bfloat16"]
     table = decode_speed_table(args.decode_table, args.device, layouts, args.decode_table_compile,
                                verify_k=sorted({3, 5, 7, args.num_draft_tokens})) if args.decode_table else []
@@ -730,6 +771,10 @@ def main(argv=None):
               f"{r['tau']['ci95'][0]:.3f}-{r['tau']['ci95'][1]:.3f}), "
               f"tokens/s ratio {r['tokens_per_s']['ratio']:.3f} "
               f"({r['tokens_per_s']['ci95'][0]:.3f}-{r['tokens_per_s']['ci95'][1]:.3f})")
+    for n, r in profiled.items():
+        print(f"\n{args.layout} forward of {n} token{'s' if n > 1 else ''}, profiled: {r['profiled_ms']:.1f} ms = "
+              f"matmuls {r['matmul_ms']:.1f} ms ({r['matmul_calls']} calls) + attention {r['attention_ms']:.1f} ms "
+              f"({r['attention_calls']}) + other ops {r['other_ms']:.1f} ms ({r['other_calls']})")
     for weights, q in quality.items():
         print(f"\n{weights} against fp32 on {q['tokens']} tokens of held-out text: top-1 agreement "
               f"{q['top1_agreement']:.3f}, perplexity {q['perplexity_fp32']:.3f} -> {q['perplexity']:.3f}")
@@ -744,7 +789,7 @@ def main(argv=None):
     result = {
         "config": config, "machine": machine_stamp(args.device),
         "speed": summary, "paired": paired, "decode_table": table,
-        "weights_quality": quality,
+        "weights_quality": quality, "step_profile": profiled,
         "plots": [shown(p) for p in images],
         "runs": records,  # every run on every prompt, its tokens included
     }

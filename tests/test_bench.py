@@ -194,3 +194,17 @@ def test_llama_cpp_is_an_optional_peer(smollm2_dir, monkeypatch, capsys):
         for text in ("List three colours.", long):
             out = run(tokenizer.encode_chat([{"role": "user", "content": text}]), 12, 0.0, {2})
             assert 1 <= out["new_tokens"] <= 12 and all(0 <= t < 49152 for t in out["tokens"])
+
+
+def test_step_profile_counts_the_matmuls_and_attention_of_a_forward(tiny_dir):
+    """--profile-step: per block size, one matmul per Linear (4 a layer, and the head), one
+    attention per layer, or one per query where blocks attend row by row (int4)."""
+    import checkpoints as CK
+    for layout, rows in (("float32", 1), ("int4", 8)):
+        target = CK.build_target(tiny_dir("llama3"), layout, "cpu", 128)
+        profile = bench.step_profile(target, blocks=(1, 8), context=16)
+        assert set(profile) == {1, 8}
+        for n, r in profile.items():
+            assert r["matmul_calls"] == 3 * 4 + 1 and r["attention_calls"] == 3 * (rows if n > 1 else 1)
+            assert r["profiled_ms"] == pytest.approx(r["matmul_ms"] + r["attention_ms"] + r["other_ms"])
+            assert r["other_calls"] > 0 and r["matmul_ms"] > 0
