@@ -9,8 +9,11 @@ drift cancels in the ratios: every speedup is the median over prompts of (tokens
 
     python bench.py --quick                                      # smoke test (CI runs it)
     python bench.py --limit 5 --drafts lookup,drafts/smollm2-135m-eagle3-vat --temperatures 0
-    python bench.py --prompt-file my.jsonl --peers               # add transformers' generate
-    python bench.py --speed-off --decode-table smollm2-135m --weights-quality 40
+    python bench.py --prompt-file my.jsonl --peers               # add transformers' generate (and llama.cpp)
+    python bench.py --speed-off --decode-table smollm2-135m --weights-quality 40 --profile-step
+
+The target runs in the layout --dtype asks for (auto: timed fastest here for k+1-token forwards,
+as decode.py's speculation does); every run of ours shares it.
 
 Writes a markdown table to stdout, every raw number and the configuration to --out (JSON), PNG
 plots beside it, and ends stdout with one JSON line of headline figures.
