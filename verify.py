@@ -212,3 +212,103 @@ def acceptance_probability(p: torch.Tensor, q: torch.Tensor, v: Verifier) -> tor
     if v.family == "truncation":
         return (q * allowed_set(p, v)).sum(-1)
     return torch.minimum(q, accept_target(p, q, v)).sum(-1)
+
+
+# -----------------------------------------------------------------------------
+# Trees: each node a drafted token with a parent; siblings are alternatives tried in order
+#
+# A draft tree holds N nodes in topological order: tokens (N,), parents (N,) (-1: a child of the
+# last committed token, the root) and q (N, V) or None: q[i] is the distribution node i was drawn
+# from given its earlier siblings (a child sampled without replacement: q with the earlier
+# siblings removed and renormalized). None means every child was chosen deterministically (top-k
+# of a draft, lookup matches): q[i] is one-hot at tokens[i]. p (N+1, V) holds the target's
+# distribution after the root (p[0]) and after each node (p[i + 1]).
+#
+# At a node, the children are tried in order with the chain's own rule and its acceptance target;
+# after a rejected child x drawn from q_x the verifier carries on against the residual
+# p <- norm(max(p - q_x, 0)) (which gives x nothing: x cannot come out twice), and when every child
+# fails, it draws from what is left: the recursive rejection sampling of multi-candidate
+# speculative decoding. With one-hot q this is EAGLE-2's rule (accept x with p(x), else zero x in
+# p and renormalize). Truncation keeps the first child in the allowed set of the node's p, else
+# draws from p restricted to that set; greedy follows the child equal to the argmax. A tree whose
+# nodes each have one child is the chain, and verify_tree returns what verify does, bit for bit.
+
+def one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like).scatter_(-1, torch.tensor([token], device=like.device), 1.0)
+
+
+def children_of(parents: list) -> dict:
+    """{node (-1 for the root): its children in sibling order}."""
+    children = {-1: []}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+        children.setdefault(i, [])
+    return children
+
+
+def verify_tree(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, parents: list, v: Verifier,
+                generator: torch.Generator | None = None):
+    """Returns (the accepted path as node indices, root to leaf, next_token). p (N+1, V), q (N, V)
+    or None, tokens (N,), parents: N ints."""
+    N = len(tokens)
+    children = children_of(parents)
+    tokens = tokens.tolist()
+    # the same uniforms as verify's, one per node, so a chain-shaped tree consumes what a chain does
+    u = torch.rand(1, N, generator=generator, device=p.device)[0] if N > 0 and v.name != "greedy" else None
+    path, node = [], -1
+    while True:
+        p_node = p[node + 1]  # (V,)
+        p_left = p_node  # the residual after this node's rejected children
+        kept = None
+        allowed = allowed_set(p_node, v) if v.family == "truncation" else None
+        for child in children[node]:
+            x = tokens[child]
+            if v.name == "greedy":
+                ok = x == int(p_node.argmax())
+            elif allowed is not None:
+                ok = bool(allowed[x])
+            else:
+                q_child = one_hot(x, p_node) if q is None else q[child]
+                p_x, q_x = p_left[x], q_child[x]
+                ok = bool(u[child] < (accept_target(p_x, q_x, v) / q_x).clamp(max=1.0))
+                if not ok:
+                    p_left = residual(p_left[None], q_child[None])[0]
+            if ok:
+                kept = child
+                break
+        if kept is None:
+            if v.name == "greedy":
+                return path, int(p_node.argmax())
+            dist = own_distribution(p_node, v) if v.family == "truncation" else p_left
+            return path, int(torch.multinomial(dist[None], 1, generator=generator)[0, 0])
+        path.append(kept)
+        node = kept
+
+
+def induced_children(p: torch.Tensor, children_tokens: list, children_q: list, v: Verifier) -> torch.Tensor:
+    """The closed form of one node's output (V,) given its children: the distribution of the token
+    verify_tree emits after the node (an accepted child, or a draw of its own) when the children
+    are children_tokens in order, children_q their q (None: one-hot). Recursively, x the first
+    child, q_x its q:
+      greedy:      one-hot argmax p, whatever the children
+      truncation:  one-hot x if x is in A(p), else the same over the remaining children;
+                   p restricted to A(p) when none is left
+      the others:  a one-hot x + (1 - a) out(residual(p, q_x), remaining children),
+                   a = min(1, t(x) / q_x(x)) with t the verifier's acceptance target for (p, q_x);
+                   p itself when none is left
+    Averaged over one child x ~ q this is `induced`; averaged over children drawn without
+    replacement, lossless gives p (tests/test_verify.py enumerates both)."""
+    return _induced_children(p, p, children_tokens, children_q, v)
+
+
+def _induced_children(p_node, p, tokens: list, qs: list, v: Verifier) -> torch.Tensor:
+    if v.name == "greedy" or not tokens:
+        return own_distribution(p_node if v.family == "truncation" else p, v)
+    x, q_x = tokens[0], one_hot(tokens[0], p) if qs[0] is None else qs[0]
+    if v.family == "truncation":
+        if allowed_set(p_node, v)[x]:
+            return one_hot(x, p)
+        return _induced_children(p_node, p, tokens[1:], qs[1:], v)
+    a = (accept_target(p[x], q_x[x], v) / q_x[x]).clamp(max=1.0)
+    rest = _induced_children(p_node, residual(p[None], q_x[None])[0], tokens[1:], qs[1:], v)
+    return a * one_hot(x, p) + (1 - a) * rest
