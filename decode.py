@@ -28,7 +28,7 @@ from checkpoints import (DEFAULT_DRAFTS, DEFAULT_TARGET, EARLY_EXIT_DEFAULT, HF_
                         resolve_model, target_layout, wants_compile)
 from draft import AdaptiveDraft, NoDraft
 from tokenizer import load_tokenizer
-from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify
+from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify, verify_tree
 
 
 @dataclass
@@ -62,40 +62,69 @@ class Stats:
             "accepted_per_position": [a / d if d else 0.0 for a, d in zip(self.kept_at, self.drafted_at)],
         }
 
-    def count(self, asked: int, drafted: int, kept: int):
+    def count(self, asked: int, drafted: int, kept: int, depth: int | None = None):
+        """One step: `asked` guesses wanted, `drafted` proposed, `kept` accepted; a tree also says
+        its depth (acceptance by position is then by depth)."""
         self.forwards += 1
         self.drafted += drafted
         self.declined += asked - drafted
-        for i in range(drafted):
+        for i in range(drafted if depth is None else depth):
             self.drafted_at[i] += 1
             self.kept_at[i] += i < kept
 
 
 def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, stats: Stats, device,
-                     temperature: float = 0.0, top_p: float = 1.0, generator=None, on_verify=None):
+                     temperature: float = 0.0, top_p: float = 1.0, generator=None, on_verify=None,
+                     tree: int = 0, target=None):
     """The algorithm: the draft guesses k tokens; one target forward scores the last committed
     token and the k guesses at positions [L-1, L+k-1]; the verifier keeps n guesses and adds one
     token of its own. Returns the n + 1 new tokens, n, and the target's hidden states there.
-    on_verify(p, q, guesses, n), when given, sees what the verifier saw (lossy.py measures the
-    distortion of each committed token from it)."""
-    guesses, q = torch.tensor([], dtype=torch.long), None
+    With a tree budget, the draft proposes a tree of at most `tree` nodes and depth k instead; the
+    forward scores every node against its own ancestors, the verifier walks down one path, and
+    the target's cache keeps that path (target.keep_path). on_verify(p, q, guesses, n), when
+    given, sees what the verifier saw (lossy.py measures the distortion of each committed token
+    from it); for a tree, guesses are the accepted path's and p, q its rows."""
+    guesses, q, parents = torch.tensor([], dtype=torch.long), None, None
     if k > 0:  # (plain decoding pays no timing and no GPU sync here)
         t0 = time.perf_counter()
-        guesses, q = draft.propose(k)
+        if tree:
+            guesses, parents, q = draft.propose_tree(tree, k)
+        else:
+            guesses, q = draft.propose(k)
         synchronize(device)
         stats.draft_seconds += time.perf_counter() - t0
     x = torch.cat([torch.tensor([seq[-1]]), guesses.cpu()]).to(device)[None]  # (1, n_guesses + 1)
     positions = torch.arange(len(seq) - 1, len(seq) + len(guesses), device=device)
-    logits, hidden = step_fn(x, positions, hidden_layers=draft.target_layers)
+    chain_shaped = parents is None or parents == list(range(-1, len(guesses) - 1))
+    logits, hidden = step_fn(x, positions, hidden_layers=draft.target_layers,
+                             tree_parents=None if chain_shaped else parents)
     p = probs_from_logits(logits[0], temperature, top_p)  # (n_guesses + 1, V)
     q = None if q is None else q.to(device)
-    n, next_token = verify(p[None], None if q is None else q[None], guesses.to(device)[None], verifier,
-                           generator)
-    n = int(n)  # the one host sync of the step
-    stats.count(k, len(guesses), n)
+    if parents is None:
+        n, next_token = verify(p[None], None if q is None else q[None], guesses.to(device)[None], verifier,
+                               generator)
+        n = int(n)  # the one host sync of the step
+        stats.count(k, len(guesses), n)
+    else:
+        path, next_token = verify_tree(p, q, guesses.to(device), parents, verifier, generator)
+        n, rows = len(path), [0] + [i + 1 for i in path]  # the root's row and the accepted nodes'
+        target.keep_path([len(seq) + i for i in path], len(seq))
+        depth = max(tree_depths(parents), default=0)
+        stats.count(tree, len(guesses), n, depth=depth)  # (a tree is asked for `tree` nodes)
+        guesses, p = guesses[path], p[rows]
+        q = None if q is None else q[path]
+        hidden = [h[:, rows] for h in hidden]
     if on_verify is not None:
         on_verify(p, q, guesses, n)
     return guesses[:n].tolist() + [int(next_token)], n, hidden
+
+
+def tree_depths(parents: list) -> list:
+    """Depth of each node of a draft tree (1 for a child of the root)."""
+    depths = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
 
 
 def exact_verifier(temperature: float) -> Verifier:
@@ -107,16 +136,19 @@ def exact_verifier(temperature: float) -> Verifier:
 @torch.no_grad()
 def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = None, k: int = 0,
              max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, stop_ids=(),
-             generator: torch.Generator | None = None, on_tokens=None, step_fn=None, on_verify=None) -> dict:
+             generator: torch.Generator | None = None, on_tokens=None, step_fn=None, on_verify=None,
+             tree: int = 0) -> dict:
     """Generate up to max_new_tokens tokens after prompt_ids, speculatively when a draft is given
     (plain decoding is the case of no draft, k = 0). The verifier defaults to the exact rule for the
     temperature; greedy at T > 0 is refused, as it would emit the argmax whatever T says. Returns
     the new ids and statistics: tau (new tokens per target forward, bonus included), forwards,
-    per-position acceptance."""
+    per-position acceptance. tree > 0 drafts trees of at most `tree` nodes and depth k instead of
+    chains of k."""
     verifier = exact_verifier(temperature) if verifier is None else verifier
     step_fn = target if step_fn is None else step_fn  # (a compiled module has no truth value)
     draft, k = (NoDraft(), 0) if draft is None else (draft, k)
-    check_request(target.max_seq_len, len(prompt_ids), max_new_tokens, k, verifier, temperature)
+    check_request(target.max_seq_len, len(prompt_ids), max_new_tokens, max(k, tree if k else 0), verifier,
+                  temperature)
     device, L = target.embed_tokens.weight.device, len(prompt_ids)
     t_start = time.perf_counter()
     draft_forwards_before = draft.forwards
@@ -132,7 +164,7 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
         budget = min(k, max_new_tokens - len(new) - 1, draft.max_tokens)
         out, n, hidden = speculative_step(step_fn, seq, draft, budget, verifier, stats, device,
                                           temperature=temperature, top_p=top_p, generator=generator,
-                                          on_verify=on_verify)
+                                          on_verify=on_verify, tree=tree, target=target)
         # a stop token, even inside a kept block, ends generation there
         stop = next((j for j, t in enumerate(out) if t in stop_ids), None)
         out = out[:min(len(out) if stop is None else stop + 1, max_new_tokens - len(new))]

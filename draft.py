@@ -37,6 +37,13 @@ class Draft(Protocol):
         the distributions they were drawn from (None: deterministic); fewer than k when the draft
         declines the rest."""
 
+    def propose_tree(self, n: int, depth: int) -> tuple:
+        """(tokens (n',), parents (n' ints, -1 for a child of the last committed token), q (n', V) or
+        None): a draft tree of at most n nodes and depth, in topological order, siblings in the
+        order verification tries them. q[i] is the distribution node i was drawn from given its
+        earlier siblings; None: chosen deterministically (verify.py's tree section). Drafts with
+        no tree of their own propose their chain (`as_tree`)."""
+
     def commit(self, new_ids: list, n_accepted: int, features: torch.Tensor | None) -> None:
         """The verifier kept n_accepted guesses and added one token of its own; new_ids are all of
         them, features the target's states at the n_accepted + 1 positions just committed (or
@@ -47,7 +54,19 @@ def no_tokens():
     return torch.tensor([], dtype=torch.long), None
 
 
-class NoDraft:
+def as_tree(tokens: torch.Tensor, q):
+    """A chain as a tree: each guess the only child of the one before."""
+    return tokens, list(range(-1, len(tokens) - 1)), q
+
+
+class ChainAsTree:
+    """propose_tree for drafts that only draft chains: their chain of min(n, depth) guesses."""
+
+    def propose_tree(self, n: int, depth: int):
+        return as_tree(*self.propose(min(n, depth)))
+
+
+class NoDraft(ChainAsTree):
     """Plain decoding: proposes nothing, so every step is one ordinary decoding step."""
     target_layers = ()
     forwards = 0
@@ -77,22 +96,47 @@ class LookupDraft:
     def start(self, prompt_ids, features=None):
         self.seq = list(prompt_ids)
 
-    def propose(self, k: int):
+    def continuations(self, k: int):
+        """What followed earlier occurrences of the last n tokens (at most k tokens each): longest
+        n first, then the most recent match first."""
         seq = self.seq
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             tail = seq[-n:]
-            for start in range(len(seq) - n - 1, -1, -1):  # most recent match first
+            for start in range(len(seq) - n - 1, -1, -1):
                 if seq[start:start + n] == tail:
                     follow = seq[start + n:start + n + k]
                     if follow:
-                        return torch.tensor(follow), None
-        return no_tokens()
+                        yield follow
+
+    def propose(self, k: int):
+        follow = next(self.continuations(k), None)
+        return (torch.tensor(follow), None) if follow else no_tokens()
+
+    def propose_tree(self, n: int, depth: int):
+        """Several matches as branches: the continuations merged into a trie (a prefix two of
+        them share is one path), best match first, until n nodes."""
+        tokens, parents, child = [], [], {}  # child[(parent, token)] = node
+        for follow in self.continuations(depth):
+            parent = -1
+            for token in follow:
+                if (parent, token) not in child:
+                    if len(tokens) == n:
+                        break
+                    child[parent, token] = len(tokens)
+                    tokens.append(token)
+                    parents.append(parent)
+                parent = child[parent, token]
+            if len(tokens) == n:
+                break
+        if not tokens:
+            return torch.tensor([], dtype=torch.long), [], None
+        return torch.tensor(tokens), parents, None
 
     def commit(self, new_ids, n_accepted, features=None):
         self.seq += list(new_ids)
 
 
-class ModelDraft:
+class ModelDraft(ChainAsTree):
     """A smaller model of the same family (e.g. qwen3-0.6b for qwen3-4b) drafting autoregressively.
     Its cache holds `cache_len` committed tokens; each propose first feeds the committed tokens it
     has not seen (one, or two after a fully accepted block) and then drafts k tokens."""
@@ -210,6 +254,9 @@ class Eagle3(nn.Module):
         return out.index_copy_(-1, self.draft_to_target(), draft_probs)
 
 
+TREE_TOP_K = 4  # children per expanded node and nodes expanded per depth (EAGLE-2 uses 10 on a GPU)
+
+
 class Eagle3Draft:
     """Drives an Eagle3 network inside decode.py's loop (see the module docstring).
 
@@ -276,6 +323,78 @@ class Eagle3Draft:
             return no_tokens()
         return torch.stack(tokens), torch.stack(dists)
 
+    def tree_step(self, tokens, hidden, rope_pos, slots, visible):
+        """One forward of a tree's rows: tokens (T,) with their parents' states hidden (T, dim),
+        rotated at rope_pos (T,), written to slots (T,), each seeing the slots `visible` marks
+        (T, kv_len). -> (T, dim)."""
+        layer = self.net.midlayer
+        queries, keys, values = layer.qkv(self.embed(tokens)[None], hidden[None], self.cos[rope_pos],
+                                          self.sin[rope_pos])
+        keys, values = self.cache.update(slots, keys, values)
+        kv_len = visible.shape[1]
+        attended = layer.self_attn.attend(queries, keys[:, :, :kv_len], values[:, :, :kv_len], visible)
+        self.forwards += 1
+        return layer.finish(hidden[None], attended)[0]
+
+    @torch.no_grad()
+    def propose_tree(self, n: int, depth: int, top_k: int = TREE_TOP_K):
+        """EAGLE-2's dynamic tree: at each depth, the top_k children of each expanded node become
+        candidates scored by their cumulative draft log-probability, and the top_k best of the new
+        candidates are expanded (one draft forward for all of them); finally the n best candidates
+        are kept (a child never scores above its parent, so they form a tree). Children are the
+        draft's top choices, so q is None (verified as one-hot). Early exit skips the children of
+        a node whose verification head expects them rejected."""
+        net = self.net
+        device, dtype = net.fc.weight.device, net.fc.weight.dtype
+        if not self.pending_tokens or n < 1 or depth < 1:
+            return torch.tensor([], dtype=torch.long), [], None
+        tokens_in = torch.tensor(self.pending_tokens, dtype=torch.long, device=device)
+        fused = net.fc(self.pending_features.to(device, dtype))  # (n_pending, dim)
+        expand_states = self.step(tokens_in, fused, self.cache_len)[-1:]  # (1, dim): the root's
+        self.cache_len += len(tokens_in)
+        self.pending_tokens, self.pending_features = [], None
+        base, to_target = self.cache_len, net.draft_to_target()
+        tokens, parents, scores, slots = [], [], [], {}  # candidates; draft cache slot of each fed node
+        expand = [-1]  # nodes whose children come next (-1: the root)
+        state_of = {-1: expand_states[0]}  # a fed node's output: what its children are fed with
+        for d in range(min(depth, n)):
+            logits, head_logits = net.heads(expand_states)  # (E, Vd), (E,)
+            logq = torch.log_softmax(logits.float(), -1)
+            top_logq, top_ids = logq.topk(min(top_k, logq.shape[-1]), -1)  # (E, top_k)
+            new = []
+            for e, node in enumerate(expand):
+                if self.early_exit is not None and torch.sigmoid(head_logits[e]).item() < self.early_exit:
+                    continue  # the head expects this node's children rejected: prune the branch
+                parent_score = scores[node] if node >= 0 else 0.0
+                for lq, i in zip(top_logq[e].tolist(), top_ids[e].tolist()):
+                    new.append(len(tokens))
+                    tokens.append(int(to_target[i]))
+                    parents.append(node)
+                    scores.append(parent_score + lq)
+            if not new or d + 1 == min(depth, n):
+                break
+            expand = sorted(new, key=lambda i: -scores[i])[:top_k]
+            if base + len(slots) + len(expand) > self.cache.k.shape[2]:
+                break  # the draft's cache ends here (near the end of the context)
+            for node in expand:
+                slots[node] = base + len(slots)
+            fed = torch.tensor([slots[i] for i in expand], device=device)
+            visible = torch.zeros(len(expand), base + len(slots), dtype=torch.bool, device=device)
+            visible[:, :base] = True
+            for row, node in enumerate(expand):
+                while node >= 0:  # the node and its ancestors, all fed at earlier depths
+                    visible[row, slots[node]] = True
+                    node = parents[node]
+            hidden = torch.stack([state_of[parents[i]] for i in expand])  # (E, dim): each parent's output
+            rope = torch.full((len(expand),), base + d, device=device)  # depth d + 1, as in a chain
+            expand_states = self.tree_step(torch.tensor([tokens[i] for i in expand], device=device), hidden,
+                                           rope, fed, visible)
+            state_of.update(zip(expand, expand_states))
+        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:n])  # creation order
+        index = {node: j for j, node in enumerate(keep)}
+        return (torch.tensor([tokens[i] for i in keep], dtype=torch.long),
+                [index[parents[i]] if parents[i] >= 0 else -1 for i in keep], None)
+
     def commit(self, new_ids, n_accepted, features=None):
         # pairs wait here until the next propose feeds them; a step in which another draft proposed
         # (HybridDraft) leaves them to be fed together with the next step's
@@ -339,7 +458,7 @@ def dflash_mask(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
     return rows.repeat_interleave(block_size, 0)
 
 
-class DFlashDraft:
+class DFlashDraft(ChainAsTree):
     """Drives a DFlash network inside decode.py's loop. Context keys/values of each layer are
     cached at their positions; the block [last committed token, MASK x (B-1)] sits right after."""
 
@@ -429,6 +548,14 @@ class HybridDraft:
             self.looked_up += 1
             return tokens, q
         return self.model_draft.propose(k)
+
+    def propose_tree(self, n: int, depth: int):
+        self.steps += 1
+        tree = self.lookup.propose_tree(n, depth)
+        if len(tree[0]):
+            self.looked_up += 1
+            return tree
+        return self.model_draft.propose_tree(n, depth)
 
     def commit(self, new_ids, n_accepted, features=None):
         self.lookup.commit(new_ids, n_accepted)

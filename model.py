@@ -194,15 +194,19 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
         return self.o_proj(y.transpose(1, 2).flatten(2))
 
-    def forward(self, x, cos, sin, mask, input_pos, kv_len):
+    def forward(self, x, cos, sin, mask, input_pos, kv_len, tree_slots=None):
         q, k, v = self.project(x, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, kv_heads, max_seq_len, head_dim)
         if self.row_by_row and 1 < q.shape[2] <= ROW_BY_ROW_MAX and mask is not None and mask.dim() == 2:
             # a verification block: each query attends exactly as a one-token step would (the same
-            # kernel on the same keys), so the block's outputs are bit for bit the one-token ones
+            # kernel on the same keys), so the block's outputs are bit for bit the one-token ones.
+            # A tree's row sees the cache before the block and its ancestors: gathered, they are
+            # the keys a one-token step along that path would see, in the same order
             gqa = self.n_kv_head != self.n_head
             rows = [F.scaled_dot_product_attention(q[:, :, t:t + 1], k[:, :, :p + 1], v[:, :, :p + 1],
-                                                   enable_gqa=gqa)
+                                                   enable_gqa=gqa) if tree_slots is None else
+                    F.scaled_dot_product_attention(q[:, :, t:t + 1], k.index_select(2, tree_slots[t]),
+                                                   v.index_select(2, tree_slots[t]), enable_gqa=gqa)
                     for t, p in enumerate(input_pos.tolist())]  # (B, heads, 1, head_dim) each
             return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2))
         # only the first kv_len cache slots can be visible; attending to the rest is wasted bandwidth
@@ -228,8 +232,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, mask, input_pos, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, kv_len)
+    def forward(self, x, cos, sin, mask, input_pos, kv_len, tree_slots=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, kv_len, tree_slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -257,26 +261,69 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens, input_pos, hidden_layers=(), last_logits_only=False, key_valid=None):
+    def forward(self, tokens, input_pos, hidden_layers=(), last_logits_only=False, key_valid=None,
+                tree_parents=None):
         """tokens (B, T) at absolute positions input_pos (T,), contiguous and increasing.
         Returns (logits, hidden): logits (B, T, vocab), or (B, 1, vocab) with last_logits_only, and
         the hidden states named by hidden_layers (indices in the module docstring's convention), a
         list of (B, T, dim), empty when none are asked for. key_valid (B, max_seq_len) bool hides
-        cache slots per sequence (left padding in a batch)."""
+        cache slots per sequence (left padding in a batch).
+        tree_parents (T-1 ints) makes the block a draft tree (see tree_attention): input_pos are
+        then the cache slots it is written to, and keep_path moves the accepted path into place."""
         assert self.max_seq_len, "call setup_caches() first"
         kv_len = self.max_seq_len if self.attend_full_cache else int(input_pos[-1]) + 1
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, head_dim)
-        mask = attention_mask(input_pos, kv_len, key_valid, self.attend_full_cache)
+        tree_slots = None
+        if tree_parents is None:
+            rope_pos = input_pos
+            mask = attention_mask(input_pos, kv_len, key_valid, self.attend_full_cache)
+        else:
+            rope_pos, mask, tree_slots = tree_attention(tree_parents, input_pos, kv_len)
+        cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]  # (T, head_dim)
         x = self.embed_tokens(tokens)  # (B, T, dim)
         hidden = {}
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = x
-            x = layer(x, cos, sin, mask, input_pos, kv_len)
+            x = layer(x, cos, sin, mask, input_pos, kv_len, tree_slots)
         hidden[self.args.n_layer] = x
         if last_logits_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)), [hidden[i] for i in hidden_layers]
+
+
+    def keep_path(self, path_slots: list, first_slot: int):
+        """After a tree's verification: move the keys and values of the accepted nodes (at
+        path_slots, root to leaf) to first_slot, first_slot + 1, ..., where a chain would have
+        written them; what lies past them is stale and masked, as after a chain's rewind."""
+        if not path_slots or path_slots[0] == first_slot and path_slots[-1] == first_slot + len(path_slots) - 1:
+            return  # already in place (a path down the first children)
+        device = self.embed_tokens.weight.device
+        src = torch.tensor(path_slots, device=device)
+        dst = torch.arange(first_slot, first_slot + len(path_slots), device=device)
+        for layer in self.layers:
+            cache = layer.self_attn.kv_cache
+            for buffer in (cache.k, cache.v):
+                buffer.index_copy_(2, dst, buffer.index_select(2, src))
+
+
+def tree_attention(parents: list, slots: torch.Tensor, kv_len: int):
+    """A verification block shaped as a tree: row 0 the root (the last committed token), row i + 1
+    draft node i with parent row parents[i] + 1 (parents[i] = -1: the root), rows in topological
+    order and written to consecutive cache slots from slots[0]. Returns the RoPE positions (T,)
+    (slots[0] + depth: a node sits where it would in its own chain), the mask (T, kv_len) (the
+    cache before the block, then the row's ancestors and itself) and each row's visible slots."""
+    T, first = len(parents) + 1, int(slots[0])
+    depth, ancestors = [0], [[0]]
+    for parent in parents:
+        depth.append(depth[parent + 1] + 1)
+        ancestors.append(ancestors[parent + 1] + [len(ancestors)])
+    mask = torch.zeros(T, kv_len, dtype=torch.bool, device=slots.device)
+    mask[:, :first] = True
+    for row, rows_seen in enumerate(ancestors):
+        mask[row, [first + r for r in rows_seen]] = True
+    rope_pos = first + torch.tensor(depth, device=slots.device)
+    visible = [mask[row].nonzero()[:, 0] for row in range(T)]  # slots, increasing
+    return rope_pos, mask, visible
 
 
 def attention_mask(input_pos, kv_len: int, key_valid=None, full_cache: bool = False):

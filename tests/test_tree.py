@@ -126,3 +126,137 @@ def test_greedy_follows_the_argmax_down_the_tree():
     tokens = torch.tensor([0, 1, 2, 3])  # a=0, b=1, c=2, d=3
     path, nxt = verify_tree(p, None, tokens, [-1, -1, 1, 1], Verifier("greedy"))
     assert path == [1, 3] and nxt == 0
+
+
+# -----------------------------------------------------------------------------
+# The target's tree attention: each node's row is its own path's one-token step
+
+import checkpoints as CK  # noqa: E402
+from decode import generate, tree_depths  # noqa: E402
+from draft import Eagle3Draft, HybridDraft, LookupDraft  # noqa: E402
+from test_emits import (FRESH, REPEATING, T, assert_fits, continuation_distribution, index_of,  # noqa: E402,F401
+                        median_head_probability, models)
+from conftest import eagle3_net  # noqa: E402
+
+BRANCHING = [1, 2, 3, 1, 2, 4, 1, 2]  # "1 2" was followed by 4 and by 3: a lookup tree branches at its root
+
+# root -> 0, 1; 0 -> 2, 3; 1 -> 4; 3 -> 5: rows in topological order, siblings next to each other
+PARENTS = [-1, -1, 0, 0, 1, 3]
+
+
+def path_to(node: int) -> list:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = PARENTS[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("layout", ["float32", "bfloat16-packed", "int8", "int4"])
+def test_tree_rows_are_their_paths_one_token_steps(tiny_dir, layout):
+    """Every row of a tree block against one-token steps down that row's path (bit for bit where
+    the layout attends row by row, as for chains); then keep_path leaves the cache as the
+    accepted path's one-token steps would."""
+    m = CK.build_target(tiny_dir("qwen3_untied"), layout, "cpu", 256)
+    torch.manual_seed(0)
+    context = torch.randint(0, 97, (1, 200))
+    nodes = torch.randint(0, 97, (len(PARENTS),))
+    L = 200
+    with torch.no_grad():
+        m(context[:, :-1], torch.arange(L - 1))
+        block, _ = m(torch.cat([context[0, -1:], nodes])[None], torch.arange(L - 1, L + len(PARENTS)),
+                     tree_parents=PARENTS)
+        for node in range(len(PARENTS)):
+            path = path_to(node)
+            x = torch.cat([context[0, -1:], nodes[path]])
+            steps = [m(x[None, i:i + 1], torch.tensor([L - 1 + i]))[0] for i in range(len(x))]
+            row = block[0, node + 1]
+            if layout == "float32":
+                assert torch.allclose(row, steps[-1][0, 0], atol=1e-5)
+            else:
+                assert torch.equal(row, steps[-1][0, 0]), node
+            assert torch.allclose(block[0, 0], steps[0][0, 0], atol=1e-5)
+        # a block down the path 1 -> 4 (rows 2, 5), then keep_path, then one more token: as if the
+        # path had been decoded one token at a time
+        m(torch.cat([context[0, -1:], nodes])[None], torch.arange(L - 1, L + len(PARENTS)), tree_parents=PARENTS)
+        m.keep_path([L + 1, L + 4], L)
+        after_tree = m(torch.tensor([[5]]), torch.tensor([L + 2]))[0]
+        x = torch.cat([context[0, -1:], nodes[[1, 4]], torch.tensor([5])])
+        chain = [m(x[None, i:i + 1], torch.tensor([L - 1 + i]))[0] for i in range(4)][-1]
+    assert torch.allclose(after_tree, chain, atol=1e-5) if layout == "float32" else torch.equal(after_tree, chain)
+
+
+def test_tree_depths():
+    assert tree_depths(PARENTS) == [1, 1, 2, 2, 2, 3]
+
+
+# -----------------------------------------------------------------------------
+# What tree decoding emits: plain greedy decoding at T = 0, the target's distribution at T > 0
+
+def tree_draft(kind: str, models, target, temperature=0.0, generator=None):
+    sampling = dict(temperature=temperature, generator=generator)
+    eagle3 = lambda early_exit=None: Eagle3Draft(eagle3_net(target, draft_vocab=12), target.embed_tokens,  # noqa: E731
+                                                 target.max_seq_len, early_exit=early_exit, **sampling)
+    return {"lookup": LookupDraft,
+            "eagle3": eagle3,
+            "eagle3 early exit": lambda: eagle3(early_exit=median_head_probability(eagle3(), target)),
+            "hybrid": lambda: HybridDraft(eagle3())}[kind]()
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("kind", ["lookup", "eagle3", "eagle3 early exit", "hybrid"])
+def test_greedy_tree_decoding_is_plain_greedy_decoding(models, kind, int8):
+    target = models["int8" if int8 else "target"]
+    drafted = declined = 0
+    for prompt in (REPEATING, FRESH):
+        plain = generate(target, prompt, max_new_tokens=16)["tokens"]
+        for budget in (4, 10):
+            out = generate(target, prompt, tree_draft(kind, models, target), Verifier("greedy"), k=3,
+                           max_new_tokens=16, tree=budget)
+            assert out["tokens"] == plain, (kind, prompt, budget)
+            drafted, declined = drafted + out["drafted_tokens"], declined + out["declined_tokens"]
+    assert drafted > 0 and (declined > 0 if "early exit" in kind else True)
+
+
+@pytest.mark.parametrize("kind,prompt", [("lookup", REPEATING), ("eagle3", FRESH), ("eagle3 early exit", FRESH)],
+                         ids=["lookup", "eagle3", "eagle3 early exit"])
+def test_lossless_tree_decoding_emits_the_target_distribution(models, kind, prompt):
+    """Two new tokens, 300 runs, against the exact two-token distribution (as tests/test_emits.py
+    does for chains): the first step's tree is verified with EAGLE-2's rule."""
+    target, runs = models["target"], 300
+    exact = continuation_distribution(target, prompt, 2, T)
+    generator = torch.Generator().manual_seed(0)
+    draft = tree_draft(kind, models, target, T, generator)
+    counts = torch.zeros(len(exact), dtype=torch.double)
+    for _ in range(runs):
+        out = generate(target, prompt, draft, None, k=3, max_new_tokens=2, temperature=T, generator=generator,
+                       tree=6)
+        counts[index_of(out["tokens"])] += 1
+    assert_fits(counts, exact, f"{kind} tree")
+
+
+@pytest.mark.parametrize("v", [Verifier("minp", p_base=0.1), Verifier("overshoot", lam=0.5, ceiling=4.0),
+                               Verifier("lenience", lenience=0.25)], ids=lambda v: v.name)
+def test_lossy_tree_decoding_emits_its_closed_form(models, v):
+    """Prompt lookup's tree is deterministic: the first token follows induced_children over the
+    root's children, which the test reads from the draft itself."""
+    from verify import probs_from_logits
+    target, runs, prompt = models["target"], 300, BRANCHING
+    lookup = LookupDraft()
+    lookup.start(prompt)
+    tokens, parents, _ = lookup.propose_tree(6, 3)
+    root_children = [int(t) for t, parent in zip(tokens, parents) if parent == -1]
+    assert len(root_children) >= 2, "the test needs a branching root"
+    with torch.no_grad():
+        target.setup_caches(1, 64)
+        logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt)))
+    p = probs_from_logits(logits[0, -1], T)
+    want = induced_children(p, root_children, [None] * len(root_children), v).double()
+    assert (want - p).abs().sum() > 0.05, "no power: the verifier must change the distribution here"
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(len(p), dtype=torch.double)
+    for _ in range(runs):
+        out = generate(target, prompt, LookupDraft(), v, k=3, max_new_tokens=2, temperature=T, generator=generator,
+                       tree=6)
+        counts[out["tokens"][0]] += 1
+    assert_fits(counts, want, f"{v.name} tree")
