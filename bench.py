@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -96,27 +97,36 @@ def quartiles(xs):
 # -----------------------------------------------------------------------------
 # Runs
 
+def split_tree(spec: str):
+    """'DRAFT@tree16' -> (DRAFT, 16): trees of at most 16 nodes (decode.py --tree); else (spec, 0)."""
+    found = re.search(r"@tree(\d+)", spec)
+    return (spec.replace(found.group(0), ""), int(found.group(1))) if found else (spec, 0)
+
+
 def split_early_exit(spec: str):
     """'DRAFT@ee' -> (DRAFT, 'auto'): the draft's recorded threshold; 'DRAFT@ee0.2' -> (DRAFT, 0.2)
-    (an @adapt suffix, see make_draft, is not part of either)."""
-    base, _, ee = spec.removesuffix("@adapt").partition("@ee")
+    (the @tree and @adapt suffixes, see make_draft, are part of neither)."""
+    base, _, ee = split_tree(spec)[0].removesuffix("@adapt").partition("@ee")
     return base, (None if "@ee" not in spec else float(ee) if ee else "auto")
 
 
 def draft_label(spec: str) -> str:
     base, early_exit = split_early_exit(spec)
+    tree = split_tree(spec)[1]
     hybrid = base.startswith("lookup+")
     path = Path(base.removeprefix("lookup+").split(":", 1)[-1])
     name = base if base == "lookup" else (path.parent.name if path.name == "checkpoint" else path.name)
     name = ("lookup+" if hybrid else "") + name
     if early_exit is not None:
         name += " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}")
+    name += f" tree{tree}" if tree else ""
     return name + (" +adaptive" if spec.endswith("@adapt") else "")
 
 
 def make_draft(spec, target, tokenizer, temperature, generator):
     """A draft spec as decode.py takes it, optionally suffixed @ee (or @ee<threshold>) for early
-    exit, then @adapt for the adaptive draft length (decode.py --adaptive)."""
+    exit, @tree<N> for trees of N nodes (decode.py --tree; the run's tree budget comes from
+    split_tree), then @adapt for the adaptive draft length (decode.py --adaptive)."""
     base, early_exit = split_early_exit(spec)
     draft = build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
                         early_exit=early_exit)
@@ -134,6 +144,7 @@ class Run:
     draft: object = None
     verifier: Verifier | None = None  # None: the exact rule for the temperature (decode.exact_verifier)
     peer: object = None
+    tree: int = 0  # draft trees of this many nodes (0: chains)
 
 
 def hf_peer(target_dir, kind: str, k: int):
@@ -188,9 +199,10 @@ def emit(run: Run, ids: list, k: int, max_new_tokens: int, stop_ids, generator, 
     if run.peer is not None:
         r = run.peer(ids, max_new_tokens, run.temperature, stop_ids)
     else:
+        # a tree's shape changes every step: trees run eager, never through one static compiled graph
         r = generate(run.target, ids, run.draft, run.verifier, k=k if run.draft else 0,
                      max_new_tokens=max_new_tokens, temperature=run.temperature, stop_ids=stop_ids,
-                     generator=generator, step_fn=step_fn)
+                     generator=generator, step_fn=None if run.tree else step_fn, tree=run.tree)
     return {**r, "wall_tokens_per_s": r["new_tokens"] / max(r["seconds"], 1e-9)}
 
 
@@ -244,7 +256,7 @@ def speed_runs(args, target, tokenizer, generator):
                 if name == "lossless" and temperature == 0 and "greedy" in args.verifiers:
                     continue  # at T=0 lossless keeps exactly what greedy keeps: the run would repeat it
                 runs.append(Run(f"{draft_label(spec)} {name} T={temperature:g}", temperature, target, draft,
-                                Verifier(name)))
+                                Verifier(name), tree=split_tree(spec)[1]))
         if args.peers:
             runs += peer_runs(args.target, temperature, args.num_draft_tokens)
     prompts = load_prompts(repo_path(args.prompt_file), args.categories, args.limit)
@@ -575,7 +587,8 @@ def get_args(argv=None):
     ap.add_argument("--drafts", default=default_drafts,
                     help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds early "
                          "exit at the draft's recorded threshold (as a bare decode.py --early-exit), @ee0.2 a "
-                         "threshold of your own; then @adapt the adaptive draft length (decode.py --adaptive)")
+                         "threshold of your own; @tree16 trees of 16 tokens (decode.py --tree 16, depth -k); "
+                         "then @adapt the adaptive draft length (decode.py --adaptive)")
     ap.add_argument("--verifiers", default="greedy,lossless",
                     help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
                          "lossless (the same rule there) is left out if greedy is in")
@@ -650,6 +663,11 @@ def check_and_complete(ap, args):
     args.paired = [pair.split(",") for pair in args.paired]
     if any(len(pair) != 2 or any(d not in args.drafts for d in pair) for pair in args.paired):
         ap.error("--paired takes two of the --drafts, comma-separated")
+    for spec in args.drafts:
+        if split_tree(spec)[1] and spec.endswith("@adapt"):
+            ap.error(f"{spec}: @adapt sets a chain's length; it does not apply to @tree")
+        if "@tree" in spec and not split_tree(spec)[1]:
+            ap.error(f"{spec}: @tree takes a number of draft tokens >= 1, as in lookup@tree16")
     args.categories = args.categories.split(",") if args.categories else None
     args.compile = wants_compile(args.compile, args.device)
     table = {"auto": "qwen3-4b,llama-3.1-8b" if args.device.startswith("cuda") else "", "none": ""}

@@ -171,7 +171,7 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
         seq += out
         new += out
         if on_tokens is not None:
-            on_tokens(out)
+            on_tokens(out, min(n, len(out)))  # (the first n came from the draft)
         if stop is not None or len(new) >= max_new_tokens:
             break
         # the target's states at the committed positions: the token fed and the n kept
@@ -310,6 +310,14 @@ def get_args(argv=None):
                          "keep nothing. Default: on with the default prompt-lookup draft (where a verification "
                          "block costs several one-token steps, as in int4, drafting k tokens on every miss "
                          "costs more than lookup's hits return), off otherwise")
+    ap.add_argument("--tree", type=int, default=0, metavar="N",
+                    help="draft a tree of at most N tokens (depth at most -k) and verify all its branches in "
+                         "one forward, instead of a chain of k: EAGLE-2's dynamic tree for EAGLE-3 drafts, "
+                         "several matches for prompt lookup, a chain for the others. 0 (default): chains "
+                         "(README: what a tree buys on a CPU)")
+    ap.add_argument("--show", action="store_true",
+                    help="colour each token by where it came from: a draft token the verifier kept (by its "
+                         "position in the block) or the target's own; plain text when stdout is not a terminal")
     ap.add_argument("--p-base", type=float, default=0.1, help="minp: keep x iff p(x) >= p_base * max p")
     ap.add_argument("--eps", type=float, default=3e-4,
                     help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p))); 3e-4 is eta-sampling's "
@@ -405,8 +413,15 @@ def check_and_complete(ap, args):
         args.verifier = "none" if args.draft is None else ("greedy" if args.temperature == 0 else "lossless")
     if args.verifier != "none" and args.draft is None:
         args.draft = "lookup"  # a verifier needs something to verify; the training-free draft
+    if args.tree < 0:
+        ap.error(f"--tree takes a number of draft tokens >= 1 (0: chains), got {args.tree}")
+    if args.tree and args.adaptive:
+        ap.error("--adaptive sets a chain's length; it does not apply to --tree")
+    if args.tree and wants_compile(args.compile, args.device):
+        ap.error("--tree needs --compile off: a compiled step has one static graph per block shape, and every "
+                 "tree has a shape of its own")
     if args.adaptive is None:
-        args.adaptive = args.draft == "lookup"
+        args.adaptive = args.draft == "lookup" and not args.tree
 
 
 def make_verifier(name: str, temperature: float, **params) -> Verifier:
@@ -415,11 +430,30 @@ def make_verifier(name: str, temperature: float, **params) -> Verifier:
     return exact_verifier(temperature) if name == "none" else Verifier(name, **params)
 
 
+class TokenColours:
+    """--show: a kept draft token in the colour of its position in the block (1st, 2nd, ... kept),
+    the target's own token (a correction or bonus, or every token of plain decoding) uncoloured."""
+    BY_DEPTH = ("32", "36", "34", "35", "33")  # green, cyan, blue, magenta, yellow (and deeper)
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def paint(self, piece: str, depth: int) -> str:
+        if not self.on or depth == 0 or not piece:
+            return piece
+        return f"\x1b[{self.BY_DEPTH[min(depth, len(self.BY_DEPTH)) - 1]}m{piece}\x1b[0m"
+
+    def legend(self, k: int) -> str:
+        kept = " ".join(self.paint(f"kept #{d}", d) for d in range(1, min(k, len(self.BY_DEPTH)) + 1))
+        return f"[--show: {kept}; uncoloured: the target's own token]"
+
+
 def summary_line(result: dict, args, speculative: bool) -> str:
     """What speculation did for one answer, in one line for stderr."""
     how = "plain decoding"
     if speculative:
         how = f"{repo_relative(args.draft)} draft, {args.verifier} verifier, k={args.num_draft_tokens}"
+        how += f", trees of {args.tree}" if args.tree else ""
     line = (f"[{how}, T={args.temperature:g}, {args.layout} weights] {result['new_tokens']} tokens at "
             f"{result['tokens_per_s']:.1f} tok/s, {result['target_forwards']} target forwards")
     if speculative:
@@ -460,27 +494,31 @@ def main(argv=None):
     step_fn = compile_step(target) if compiled else target
     args.layout = target.layout
 
+    show = TokenColours(args.show and sys.stdout.isatty())
+    if show.on:
+        print(show.legend(args.num_draft_tokens), file=sys.stderr)
     for ids in encoded:
         stop_ids = tokenizer.stop_ids
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-        def stream(new_ids):
-            piece = utf8.decode(tokenizer.decode_bytes([t for t in new_ids if t not in stop_ids]))
-            sys.stdout.write(piece)
+        def stream(new_ids, n_kept):
+            for depth, token in enumerate(new_ids, 1):
+                piece = utf8.decode(tokenizer.decode_bytes([token] if token not in stop_ids else []))
+                sys.stdout.write(show.paint(piece, depth if depth <= n_kept else 0))
             sys.stdout.flush()
 
         result = generate(target, ids, draft, verifier, k=args.num_draft_tokens,
                           max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, stop_ids=stop_ids,
                           generator=generator,
-                          on_tokens=stream, step_fn=step_fn)
+                          on_tokens=stream, step_fn=step_fn, tree=args.tree)
         sys.stdout.write(utf8.decode(b"", final=True) + "\n")
         sys.stdout.flush()
         print(summary_line(result, args, draft is not None), file=sys.stderr)
         if args.json:
             result["text"] = tokenizer.decode([t for t in result["tokens"] if t not in stop_ids])
             result.update(target=args.target, draft=repo_relative(args.draft) if draft else None,
-                          verifier=args.verifier, layout=target.layout,
+                          verifier=args.verifier, layout=target.layout, tree=args.tree,
                           k=args.num_draft_tokens if draft else 0, temperature=args.temperature)
             print(json.dumps(result))
 

@@ -260,3 +260,40 @@ def test_lossy_tree_decoding_emits_its_closed_form(models, v):
                        tree=6)
         counts[out["tokens"][0]] += 1
     assert_fits(counts, want, f"{v.name} tree")
+
+
+# -----------------------------------------------------------------------------
+# The real default target, the command line and the benchmark
+
+def test_default_target_tree_decoding_is_its_plain_decoding(smollm2_dir):
+    """SmolLM2 in int4 (verification row by row): lookup trees give plain decoding's tokens."""
+    from checkpoints import load_target
+    target, tokenizer = load_target(str(smollm2_dir), "cpu", "int4", 512)
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Repeat the following list exactly, one item per "
+                                  "line: apples, bananas, cherries, dates, elderberries, figs, grapes."}])
+    plain = generate(target, ids, max_new_tokens=48, stop_ids=tokenizer.stop_ids)
+    tree = generate(target, ids, LookupDraft(), Verifier("greedy"), k=7, max_new_tokens=48,
+                    stop_ids=tokenizer.stop_ids, tree=16)
+    assert tree["tokens"] == plain["tokens"] and tree["target_forwards"] < plain["target_forwards"]
+
+
+def test_cli_tree_flags(capsys):
+    from decode import TokenColours, get_args
+    assert get_args(["--tree", "8"]).adaptive is False  # adaptive lookup is the chain's default only
+    for argv, message in ((["--tree", "-1"], "--tree takes"), (["--tree", "8", "--adaptive"], "does not apply"),
+                          (["--tree", "8", "--compile", "on"], "--compile off")):
+        with pytest.raises(SystemExit):
+            get_args(argv)
+        assert message in capsys.readouterr().err
+    show = TokenColours(True)
+    assert show.paint("the", 0) == "the" and show.paint("the", 2) == "\x1b[36mthe\x1b[0m"
+    assert TokenColours(False).paint("the", 2) == "the"
+
+
+def test_bench_tree_specs():
+    import bench
+    assert bench.split_tree("lookup@tree16") == ("lookup", 16)
+    assert bench.split_early_exit("drafts/x@ee0.2@tree8") == ("drafts/x", 0.2)
+    assert bench.draft_label("drafts/x@ee@tree8") == "x +early-exit tree8"
+    with pytest.raises(SystemExit):
+        bench.get_args(["--drafts", "lookup@tree8@adapt"])
