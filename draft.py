@@ -13,6 +13,7 @@ verification heads: EAGLE-3 (one decoder layer over fused target features, draft
 token) and DFlash (a block-diffusion drafter filling B-1 masked positions in one forward), then
 two wrappers of any draft: a hybrid with prompt lookup, and an adaptive draft length.
 """
+import math
 from typing import Protocol
 
 import torch
@@ -257,6 +258,21 @@ class Eagle3(nn.Module):
 TREE_TOP_K = 4  # children per expanded node and nodes expanded per depth (EAGLE-2 uses 10 on a GPU)
 
 
+def draw_without_replacement(q: torch.Tensor, m: int, generator=None) -> list:
+    """Up to m distinct tokens drawn in turn from q (V,), each from q with the earlier ones removed:
+    [(token, the distribution it was drawn from (V,), q(token))]. Fewer where q has fewer tokens."""
+    drawn = []
+    for _ in range(m):
+        if q.sum() <= 0:
+            break
+        q = q / q.sum()
+        x = int(torch.multinomial(q, 1, generator=generator))
+        drawn.append((x, q, float(q[x])))
+        q = q.clone()
+        q[x] = 0
+    return drawn
+
+
 class Eagle3Draft:
     """Drives an Eagle3 network inside decode.py's loop (see the module docstring).
 
@@ -342,8 +358,13 @@ class Eagle3Draft:
         candidates scored by their cumulative draft log-probability, and the top_k best of the new
         candidates are expanded (one draft forward for all of them); finally the n best candidates
         are kept (a child never scores above its parent, so they form a tree). Children are the
-        draft's top choices, so q is None (verified as one-hot). Early exit skips the children of
-        a node whose verification head expects them rejected."""
+        draft's top choices, so q is None (verified as one-hot).
+        At T > 0 the children are drawn instead, without replacement from the draft's q, and every
+        child drawn is kept (until n): pruning a drawn child for its value would bias what the
+        verifier sees, so the budget is spent as the tree grows, best nodes expanded first, and
+        q holds each child's distribution. Early exit skips the children of a node whose
+        verification head expects them rejected."""
+        sampled = self.temperature > 0
         net = self.net
         device, dtype = net.fc.weight.device, net.fc.weight.dtype
         if not self.pending_tokens or n < 1 or depth < 1:
@@ -354,24 +375,34 @@ class Eagle3Draft:
         self.cache_len += len(tokens_in)
         self.pending_tokens, self.pending_features = [], None
         base, to_target = self.cache_len, net.draft_to_target()
-        tokens, parents, scores, slots = [], [], [], {}  # candidates; draft cache slot of each fed node
+        tokens, parents, scores, slots, qs = [], [], [], {}, []  # candidates; draft cache slot of each fed node
         expand = [-1]  # nodes whose children come next (-1: the root)
         state_of = {-1: expand_states[0]}  # a fed node's output: what its children are fed with
         for d in range(min(depth, n)):
             logits, head_logits = net.heads(expand_states)  # (E, Vd), (E,)
-            logq = torch.log_softmax(logits.float(), -1)
-            top_logq, top_ids = logq.topk(min(top_k, logq.shape[-1]), -1)  # (E, top_k)
+            if sampled:
+                q_expand = net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (E, V)
+            else:
+                logq = torch.log_softmax(logits.float(), -1)
+                top_logq, top_ids = logq.topk(min(top_k, logq.shape[-1]), -1)  # (E, top_k)
             new = []
             for e, node in enumerate(expand):
                 if self.early_exit is not None and torch.sigmoid(head_logits[e]).item() < self.early_exit:
                     continue  # the head expects this node's children rejected: prune the branch
                 parent_score = scores[node] if node >= 0 else 0.0
-                for lq, i in zip(top_logq[e].tolist(), top_ids[e].tolist()):
+                if sampled:
+                    drawn = draw_without_replacement(q_expand[e], min(top_k, n - len(tokens)), self.generator)
+                    children = [(math.log(q_expand[e, x].item()), x, q_i) for x, q_i, _ in drawn]
+                else:
+                    children = [(lq, int(to_target[i]), None) for lq, i in zip(top_logq[e].tolist(),
+                                                                              top_ids[e].tolist())]
+                for lq, x, q_i in children:
                     new.append(len(tokens))
-                    tokens.append(int(to_target[i]))
+                    tokens.append(x)
                     parents.append(node)
                     scores.append(parent_score + lq)
-            if not new or d + 1 == min(depth, n):
+                    qs.append(q_i)
+            if not new or d + 1 == min(depth, n) or sampled and len(tokens) >= n:
                 break
             expand = sorted(new, key=lambda i: -scores[i])[:top_k]
             if base + len(slots) + len(expand) > self.cache.k.shape[2]:
@@ -390,6 +421,8 @@ class Eagle3Draft:
             expand_states = self.tree_step(torch.tensor([tokens[i] for i in expand], device=device), hidden,
                                            rope, fed, visible)
             state_of.update(zip(expand, expand_states))
+        if sampled:
+            return torch.tensor(tokens, dtype=torch.long), parents, torch.stack(qs) if qs else None
         keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:n])  # creation order
         index = {node: j for j, node in enumerate(keep)}
         return (torch.tensor([tokens[i] for i in keep], dtype=torch.long),

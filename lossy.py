@@ -75,6 +75,16 @@ def config_label(verifier: Verifier | None) -> str:
 
 
 CONFIGS = {config_label(v): v for v in SWEEP}
+# With --tree N these configurations (lossless and at least one per lossy family) also run with draft
+# trees of N tokens, labelled "<configuration> tree", paired with their chains on the same problems.
+# The tree's children at T > 0 are drawn without replacement from the draft (verify.py's tree rule).
+TREE_VERSIONS = ("lossless", "minp p_base=0.3", "eta eps=0.3", "cos lam=0.9", "lenience lenience=0.75",
+                 "overshoot lam=0.5 c=2")
+TREE_SUFFIX = " tree"
+
+
+def verifier_of(label: str) -> Verifier | None:
+    return CONFIGS[label.removesuffix(TREE_SUFFIX)]
 
 
 # -----------------------------------------------------------------------------
@@ -196,15 +206,18 @@ def run_problem(problem: dict, target, tokenizer, draft, generator, args) -> dic
     seed = zlib.crc32(f"{args.seed}:{problem['id']}".encode())
     runs = {}
     for label in args.configs:
-        verifier = CONFIGS[label]
+        verifier = verifier_of(label)
+        tree = args.tree if label.endswith(TREE_SUFFIX) else 0
         generator.manual_seed(seed)
-        meter = DistortionMeter(verifier or Verifier("lossless"))
+        # a tree's one-step output is a mixture over the children it might have drawn: no closed
+        # form to measure its distortion by, so trees report accuracy and block efficiency only
+        meter = None if tree else DistortionMeter(verifier or Verifier("lossless"))
         r = generate(target, ids, draft if verifier else None, verifier or Verifier("lossless"),
                      k=args.num_draft_tokens if verifier else 0, max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature, stop_ids=tokenizer.stop_ids, generator=generator,
-                     on_verify=meter)
+                     on_verify=meter, tree=tree)
         text = tokenizer.decode([t for t in r["tokens"] if t not in tokenizer.stop_ids])
-        tv, kl = meter.per_token(r["new_tokens"])
+        tv, kl = meter.per_token(r["new_tokens"]) if meter else (None, None)
         runs[label] = {"correct": correct(problem, text), "new_tokens": r["new_tokens"],
                        "target_forwards": r["target_forwards"], "tv_sum": tv, "kl_sum": kl, "text": text}
     return {"id": problem["id"], "level": problem["level"], "runs": runs}
@@ -306,7 +319,7 @@ def run_all(args, problems: list) -> list:
     return [done[p["id"]] for p in problems]
 
 
-FINGERPRINT = ("target", "draft", "tasks", "configs", "num_draft_tokens", "temperature",
+FINGERPRINT = ("target", "draft", "tasks", "configs", "tree", "num_draft_tokens", "temperature",
                "max_new_tokens", "seed")
 
 
@@ -368,14 +381,21 @@ def summarize(records: list, configs: list) -> dict:
         for label in configs:
             runs = [r["runs"][label] for r in rows]
             hits, tokens = sum(x["correct"] for x in runs), sum(x["new_tokens"] for x in runs)
+            measured = all(x["tv_sum"] is not None for x in runs)  # (not for trees)
+            verifier = verifier_of(label)
             s = {"n": len(runs), "accuracy": hits / len(runs), "ci95": wilson(hits, len(runs)),
                  "block_efficiency": tokens / max(sum(x["target_forwards"] for x in runs), 1),
-                 "tv": sum(x["tv_sum"] for x in runs) / max(tokens, 1),
+                 "tv": sum(x["tv_sum"] for x in runs) / max(tokens, 1) if measured else None,
                  # (rounding leaves an exact rule's KL a hair below zero; it is zero)
-                 "kl": max(sum(x["kl_sum"] for x in runs) / max(tokens, 1), 0.0),
-                 "family": CONFIGS[label].family if CONFIGS[label] else "plain"}
+                 "kl": max(sum(x["kl_sum"] for x in runs) / max(tokens, 1), 0.0) if measured else None,
+                 "family": verifier.family if verifier else "plain"}
             if lossless is not None and label != "lossless":
                 s["vs_lossless"] = paired_difference(lossless, [x["correct"] for x in runs])
+            chain = label.removesuffix(TREE_SUFFIX)
+            if chain != label and chain in configs:  # a tree against its own chain, problem by problem
+                chain_runs = [r["runs"][chain] for r in rows]
+                s["vs_chain"] = paired_difference([x["correct"] for x in chain_runs], [x["correct"] for x in runs])
+                s["vs_chain"]["block_efficiency_ratio"] = s["block_efficiency"] / out[level][chain]["block_efficiency"]
             out[level][label] = s
     return out
 
@@ -391,7 +411,8 @@ def rank_correlation(xs: list, ys: list) -> float:
 
 def distortion_predicts_loss(pooled: dict) -> dict:
     """Across the lossy configurations: how well each distortion measure ranks their accuracy loss."""
-    rows = [s for s in pooled.values() if s["family"] in ("truncation", "collaborative") and "vs_lossless" in s]
+    rows = [s for s in pooled.values() if s["family"] in ("truncation", "collaborative") and "vs_lossless" in s
+            and s["tv"] is not None]
     if len(rows) < 3:
         return {}
     loss = [-s["vs_lossless"]["difference"] for s in rows]
@@ -425,6 +446,7 @@ def plots(summary: dict, out_dir: Path, stem: str) -> list:
     import matplotlib.pyplot as plt
     levels = [lv for lv in summary if lv != "all"]
     pooled = summary["all" if "all" in summary else levels[0]]
+    pooled = {label: s for label, s in pooled.items() if not label.endswith(TREE_SUFFIX)}  # (chains only)
     families = list(dict.fromkeys(label.split()[0] for label in pooled if label.split()[0] in
                                   ("minp", "eta", "cos", "lenience", "overshoot")))
     truncation = [f for f in families if f in ("minp", "eta")]
@@ -535,9 +557,18 @@ def print_report(args, summary: dict, power: dict, predicts: dict):
         vs = s.get("vs_lossless")
         diff = f"{100 * vs['difference']:+.1f} ({100 * vs['ci95'][0]:+.1f}, {100 * vs['ci95'][1]:+.1f})" if vs else "-"
         p = f"{vs['mcnemar_p']:.3f}" if vs else "-"
+        tv, kl = ("-", "-") if s["tv"] is None else (f"{s['tv']:.4f}", f"{s['kl']:.4f}")
         print(f"| {label} | {s['family']} | {s['block_efficiency']:.2f} | {100 * s['accuracy']:.1f} "
-              f"({100 * s['ci95'][0]:.1f}-{100 * s['ci95'][1]:.1f}) | {diff} | {p} | {s['tv']:.4f} | "
-              f"{s['kl']:.4f} |")
+              f"({100 * s['ci95'][0]:.1f}-{100 * s['ci95'][1]:.1f}) | {diff} | {p} | {tv} | {kl} |")
+    trees = {label: s["vs_chain"] for label, s in pooled.items() if "vs_chain" in s}
+    if trees:
+        print(f"\ndraft trees of {args.tree} tokens against their chains of {args.num_draft_tokens}, on the same "
+              "problems\n")
+        print("| configuration | block efficiency, tree / chain | accuracy, tree - chain (95% CI) | McNemar p |")
+        print("|---|---|---|---|")
+        for label, vs in trees.items():
+            print(f"| {label} | {vs['block_efficiency_ratio']:.3f} | {100 * vs['difference']:+.1f} "
+                  f"({100 * vs['ci95'][0]:+.1f}, {100 * vs['ci95'][1]:+.1f}) | {vs['mcnemar_p']:.3f} |")
     if len(levels) > 1:
         tests = sum("vs_lossless" in s for lv in levels for s in summary[lv].values())
         print("\naccuracy (%) per level; * where the paired 95% interval of the difference from lossless "
@@ -581,6 +612,9 @@ def get_args(argv=None):
     ap.add_argument("--configs", default="all",
                     help=f"comma-separated configurations from: {'; '.join(CONFIGS)} (all by default)")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="tokens drafted per target forward")
+    ap.add_argument("--tree", type=int, default=0, metavar="N",
+                    help=f"also run {', '.join(TREE_VERSIONS)} with draft trees of N tokens (depth -k), "
+                         "paired with their chains; 0: chains only")
     ap.add_argument("--temperature", type=float, default=0.5,
                     help="sampling temperature (README: why not 1 on the 135M default)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
@@ -614,6 +648,10 @@ def check_and_complete(ap, args):
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration {unknown[0]!r}; choose from: {'; '.join(CONFIGS)}")
+    if args.tree < 0:
+        ap.error(f"--tree takes a number of draft tokens >= 1 (0: chains only), got {args.tree}")
+    if args.tree:
+        args.configs += [c + TREE_SUFFIX for c in args.configs if c in TREE_VERSIONS]
     if args.max_new_tokens is None:
         args.max_new_tokens = 32 if args.tasks == ["arithmetic"] else 256
     if args.max_new_tokens < 1:

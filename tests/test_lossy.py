@@ -223,9 +223,27 @@ def test_quick_run_is_consistent_and_resumes(tmp_path):
     assert log.read_text() == before
 
 
+def test_tree_versions_run_beside_their_chains_and_pair_with_them(tmp_path):
+    out = tmp_path / "lossy.json"
+    r = run_lossy("--quick", "--workers", "1", "--configs", "plain sampling,lossless,minp p_base=0.3", "--tree", "6",
+                  "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    pooled = result["summary"]["all"]
+    assert list(pooled) == ["plain sampling", "lossless", "minp p_base=0.3", "lossless tree", "minp p_base=0.3 tree"]
+    for label in ("lossless tree", "minp p_base=0.3 tree"):
+        chain = label.removesuffix(" tree")
+        s = pooled[label]
+        assert s["tv"] is None and s["family"] == pooled[chain]["family"]
+        assert s["vs_chain"]["block_efficiency_ratio"] == pytest.approx(
+            s["block_efficiency"] / pooled[chain]["block_efficiency"])
+        assert all(p["runs"][label]["target_forwards"] > 0 for p in result["problems"])
+    assert "draft trees of 6 tokens against their chains" in r.stdout
+
+
 @pytest.mark.parametrize("bad,message", [(["--tasks", "chess"], "--tasks"), (["--configs", "minp p_base=0.7"],
                                          "unknown configuration"), (["--temperature", "0"], "--temperature"),
-                                         (["--problems", "0"], "--problems")])
+                                         (["--problems", "0"], "--problems"), (["--tree", "-2"], "--tree")])
 def test_bad_arguments_fail_in_one_line(bad, message):
     r = run_lossy(*bad)
     assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1]
