@@ -783,8 +783,9 @@ def main(argv=None):
         args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
     target = None  # the decode table and the quality check want the memory
     layouts = cpu_layouts() if args.device == "cpu" else ["bfloat16"]
+    # blocks of 4-8 tokens verify chains; of 16 and 32, trees of 15 and 31 drafted tokens
     table = decode_speed_table(args.decode_table, args.device, layouts, args.decode_table_compile,
-                               verify_k=sorted({3, 5, 7, args.num_draft_tokens})) if args.decode_table else []
+                               verify_k=sorted({3, 5, 7, 15, 31, args.num_draft_tokens})) if args.decode_table else []
     quality = weights_quality(args.target, args.weights_quality) if args.weights_quality else {}
     print_report(args, summary, table)
     for name, r in paired.items():
