@@ -128,6 +128,9 @@ def objective(draft_logits, head_logits, target_logp, valid, args, native: str, 
     n_valid = valid_f.sum().clamp_min(1).item()
     stats = {"loss": loss.item(), "head_loss": head_loss.item(),
              "sim_tau": (kstar[chains].float().mean().item() if chains.any() else 1.0),  # k*-1 kept + bonus
+             # the chains whose loss weights VAT's weighting changes: k* = 1 restarts the decay where
+             # it starts anyway
+             "weighting_changes": ((kstar[chains] > 1).float().mean().item() if chains.any() else 0.0),
              "head_acc": (((head_logits > 0) == labels).float() * valid_f).sum().item() / n_valid,
              # the share of positions labelled "kept": a constant head scores max(this, 1 - this)
              "kept_share": (labels.float() * valid_f).sum().item() / n_valid}

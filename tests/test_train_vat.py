@@ -296,7 +296,10 @@ def test_vat_objective_on_hand_made_logits():
     weights = torch.tensor([1.0, 1.0, 0.8])  # 1 before k*, then the decay restarts at k*
     bce = F.binary_cross_entropy_with_logits(head, torch.tensor([[1.0, 0, 0]]))
     assert torch.allclose(loss, (weights * ce).sum() + bce)
-    assert stats["sim_tau"] == 2.0
+    assert stats["sim_tau"] == 2.0 and stats["weighting_changes"] == 1.0  # k* = 2: the weights differ
+    draft[0, 0] = torch.tensor([0, 1.0])  # now rejected at k = 1: VAT's weights are the baseline's
+    _, stats = TV.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), args, native="soft")
+    assert stats["sim_tau"] == 1.0 and stats["weighting_changes"] == 0.0
 
 
 def tiny_training(target, objective, steps, seed=0):
