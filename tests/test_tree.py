@@ -266,7 +266,7 @@ def test_lossy_tree_decoding_emits_its_closed_form(models, v):
 # The real default target, the command line and the benchmark
 
 def test_default_target_tree_decoding_is_its_plain_decoding(smollm2_dir):
-    """SmolLM2 in int4 (verification row by row): lookup trees give plain decoding's tokens."""
+    """SmolLM2 in int4 (verification row by row): lookup and EAGLE-3 trees give plain decoding's tokens."""
     from checkpoints import load_target
     target, tokenizer = load_target(str(smollm2_dir), "cpu", "int4", 512)
     ids = tokenizer.encode_chat([{"role": "user", "content": "Repeat the following list exactly, one item per "
@@ -275,6 +275,16 @@ def test_default_target_tree_decoding_is_its_plain_decoding(smollm2_dir):
     tree = generate(target, ids, LookupDraft(), Verifier("greedy"), k=7, max_new_tokens=48,
                     stop_ids=tokenizer.stop_ids, tree=16)
     assert tree["tokens"] == plain["tokens"] and tree["target_forwards"] < plain["target_forwards"]
+    # and the committed GSM8K EAGLE-3 draft's dynamic trees, with early exit pruning branches
+    draft = CK.build_draft(str(CK.ROOT / "drafts" / "smollm2-135m-eagle3-gsm8k-2ep"), target, tokenizer,
+                           early_exit="auto")
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Tom has 3 boxes of 12 pencils and gives away 5 "
+                                  "pencils. How many pencils does he have left?"}])
+    plain = generate(target, ids, max_new_tokens=48, stop_ids=tokenizer.stop_ids)
+    tree = generate(target, ids, draft, Verifier("greedy"), k=7, max_new_tokens=48, stop_ids=tokenizer.stop_ids,
+                    tree=7)
+    assert tree["tokens"] == plain["tokens"] and tree["target_forwards"] < plain["target_forwards"]
+    assert tree["declined_tokens"] > 0  # early exit pruned some branches
 
 
 def test_cli_tree_flags(capsys):
