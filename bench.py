@@ -42,7 +42,7 @@ from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, LAYOUTS
                         load_target, machine_problem, pick_threads, resolve_model, target_layout, wants_compile,
                         write_atomically)
 from decode import check_prompt, check_temperature, generate, prompt_text, read_jsonl, repo_path, repo_relative
-from draft import AdaptiveDraft
+from draft import AdaptiveDraft, HeadCalibration
 from verify import VERIFIERS, Verifier
 
 
@@ -250,6 +250,8 @@ def speed_runs(args, target, tokenizer, generator):
         runs.append(Run(f"baseline T={temperature:g}", temperature, target))
         for spec in args.drafts:
             draft = make_draft(spec, target, tokenizer, temperature, generator)
+            if isinstance(draft, HeadCalibration):  # its head's probability against what was kept
+                draft.calibration = []
             for name in args.verifiers:
                 if name == "greedy" and temperature > 0:
                     continue
@@ -263,13 +265,34 @@ def speed_runs(args, target, tokenizer, generator):
     encoded = [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
     records = interleave(runs, encoded, args.num_draft_tokens, args.max_new_tokens, tokenizer.stop_ids,
                          generator, args.device, args.warmup, args.step_fn)
-    return records, {run.name: run.temperature for run in runs}
+    calibrations = {run.name: reliability(run.draft.calibration) for run in runs
+                    if isinstance(run.draft, HeadCalibration)}
+    return records, {run.name: run.temperature for run in runs}, calibrations
 
 
-def summarize(records: dict, temperatures: dict) -> dict:
+def reliability(pairs: list, bins: int = 10) -> dict:
+    """The verification head's calibration from (predicted probability, kept) pairs: per bin of
+    predicted probability, how many drafted tokens fell there, their mean prediction and the share
+    the verifier kept; and the Brier score (lower is better; a constant at the kept share scores
+    share * (1 - share))."""
+    if not pairs:
+        return {"tokens": 0, "bins": [], "brier": None, "kept_share": None}
+    rows = []
+    for b in range(bins):
+        lo, hi = b / bins, (b + 1) / bins
+        inside = [(p, kept) for p, kept in pairs if lo <= p < hi or (b == bins - 1 and p == 1.0)]
+        if inside:
+            rows.append({"from": lo, "to": hi, "tokens": len(inside),
+                         "predicted": statistics.mean(p for p, _ in inside),
+                         "kept": statistics.mean(float(kept) for _, kept in inside)})
+    return {"tokens": len(pairs), "bins": rows, "kept_share": statistics.mean(float(k) for _, k in pairs),
+            "brier": statistics.mean((p - float(kept)) ** 2 for p, kept in pairs)}
+
+
+def summarize(records: dict, temperatures: dict, calibrations: dict | None = None) -> dict:
     """Per run: median tokens/s and speedup over the plain baseline at its temperature (the run
     named 'baseline T=...') with IQRs, tau overall and per category, acceptance by draft
-    position, draft time, memory."""
+    position, draft time, memory; the verification head's calibration where given."""
     summary = {}
     for name, rs in records.items():
         base = records[f"baseline T={temperatures[name]:g}"]
@@ -308,6 +331,8 @@ def summarize(records: dict, temperatures: dict) -> dict:
             # at T = 0 an exact run of ours emits the baseline's tokens on every prompt
             "prompts_with_the_baseline_tokens": sum(r["tokens"] == b["tokens"] for r, b in zip(rs, base)),
         }
+        if name in (calibrations or {}):
+            summary[name]["head_calibration"] = calibrations[name]
     return summary
 
 
@@ -573,6 +598,19 @@ def plots(summary, out_dir: Path, stem: str) -> list:
         fig.tight_layout()
         written.append(out_dir / f"{stem}-acceptance-by-position.png")
         fig.savefig(written[-1], dpi=120)
+    heads = {n: s["head_calibration"] for n, s in summary.items() if s.get("head_calibration", {}).get("bins")}
+    if heads:  # reliability: the head's predicted probability against the share of those tokens kept
+        fig, ax = plt.subplots(figsize=(5, 5))
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.5)
+        for name, h in heads.items():
+            ax.plot([b["predicted"] for b in h["bins"]], [b["kept"] for b in h["bins"]], "o-",
+                    label=f"{name} (Brier {h['brier']:.3f})")
+        ax.set_xlabel("verification head's probability (bin mean)")
+        ax.set_ylabel("share of those drafted tokens kept")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out_dir / f"{stem}-head-calibration.png")
+        fig.savefig(written[-1], dpi=120)
     plt.close("all")
     return written
 
@@ -777,8 +815,8 @@ def main(argv=None):
     if not args.speed_off:
         args.step_fn = compile_step(target) if args.compile else None
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        records, temperatures = speed_runs(args, target, tokenizer, generator)
-        summary = summarize(records, temperatures)
+        records, temperatures, calibrations = speed_runs(args, target, tokenizer, generator)
+        summary = summarize(records, temperatures, calibrations)
         paired = paired_runs(args.paired, records)
         args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
     target = None  # the decode table and the quality check want the memory

@@ -255,6 +255,23 @@ class Eagle3(nn.Module):
         return out.index_copy_(-1, self.draft_to_target(), draft_probs)
 
 
+class HeadCalibration:
+    """The verification head's record, for drafts that have one: with `calibration` a list (bench.py
+    sets it), each chain step appends (the head's probability for a drafted token, whether the
+    verifier kept it), the data of a reliability plot."""
+    calibration = None
+    last_head = ()  # the head's probabilities for the tokens of the last proposal
+
+    def note_head(self, head_logits: torch.Tensor):
+        if self.calibration is not None:
+            self.last_head = list(self.last_head) + torch.sigmoid(head_logits.float()).flatten().tolist()
+
+    def settle_head(self, n_accepted: int):
+        if self.calibration is not None:
+            self.calibration += [(prob, i < n_accepted) for i, prob in enumerate(self.last_head)]
+        self.last_head = ()
+
+
 TREE_TOP_K = 4  # children per expanded node and nodes expanded per depth (EAGLE-2 uses 10 on a GPU)
 
 
@@ -273,7 +290,7 @@ def draw_without_replacement(q: torch.Tensor, m: int, generator=None) -> list:
     return drawn
 
 
-class Eagle3Draft:
+class Eagle3Draft(HeadCalibration):
     """Drives an Eagle3 network inside decode.py's loop (see the module docstring).
 
     Pairing, the one off-by-one of EAGLE: the draft places the target's fused state at position t
@@ -329,6 +346,7 @@ class Eagle3Draft:
             logits, head_logit = net.heads(state[-1])
             if self.early_exit is not None and torch.sigmoid(head_logit).item() < self.early_exit:
                 break  # the verification head expects this token rejected: stop drafting here
+            self.note_head(head_logit)
             q = net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (V,)
             token = sample(q, self.temperature, self.generator)
             tokens.append(token)
@@ -429,6 +447,7 @@ class Eagle3Draft:
                 [index[parents[i]] if parents[i] >= 0 else -1 for i in keep], None)
 
     def commit(self, new_ids, n_accepted, features=None):
+        self.settle_head(n_accepted)
         # pairs wait here until the next propose feeds them; a step in which another draft proposed
         # (HybridDraft) leaves them to be fed together with the next step's
         self.pending_tokens += list(new_ids)
@@ -491,7 +510,7 @@ def dflash_mask(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
     return rows.repeat_interleave(block_size, 0)
 
 
-class DFlashDraft(ChainAsTree):
+class DFlashDraft(ChainAsTree, HeadCalibration):
     """Drives a DFlash network inside decode.py's loop. Context keys/values of each layer are
     cached at their positions; the block [last committed token, MASK x (B-1)] sits right after."""
 
@@ -538,11 +557,14 @@ class DFlashDraft(ChainAsTree):
         if self.early_exit is not None:  # stop at the first position the head expects rejected
             below = (torch.sigmoid(net.verify_head(x)[:, 0]) < self.early_exit).nonzero()
             n = int(below[0]) if len(below) else k
+        if self.calibration is not None:
+            self.note_head(net.verify_head(x[:n])[:, 0])
         if n == 0:
             return no_tokens()
         return sample(probs[:n], self.temperature, self.generator), probs[:n]
 
     def commit(self, new_ids, n_accepted, features=None):
+        self.settle_head(n_accepted)
         self.anchor = new_ids[-1]
         # the positions after context_len not yet fed (more than one commit's after a step in
         # which another draft proposed: HybridDraft)

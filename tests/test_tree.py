@@ -307,3 +307,20 @@ def test_bench_tree_specs():
     assert bench.draft_label("drafts/x@ee@tree8") == "x +early-exit tree8"
     with pytest.raises(SystemExit):
         bench.get_args(["--drafts", "lookup@tree8@adapt"])
+
+
+# -----------------------------------------------------------------------------
+# The verification head's record (bench's reliability data), chains only
+
+def test_head_calibration_pairs_each_drafted_token_with_its_fate(models):
+    from bench import reliability
+    target = models["target"]
+    draft = tree_draft("eagle3", models, target)
+    draft.calibration = []
+    out = generate(target, FRESH, draft, Verifier("greedy"), k=3, max_new_tokens=16)
+    kept = out["new_tokens"] - out["target_forwards"]  # (no stop token here: every step adds one of its own)
+    assert len(draft.calibration) == out["drafted_tokens"] and sum(k for _, k in draft.calibration) == kept
+    assert all(0 <= p <= 1 for p, _ in draft.calibration)
+    r = reliability([(0.05, False), (0.15, True), (0.95, True), (1.0, True)], bins=10)
+    assert r["tokens"] == 4 and r["kept_share"] == 0.75 and [b["tokens"] for b in r["bins"]] == [1, 1, 2]
+    assert r["brier"] == pytest.approx((0.05 ** 2 + 0.85 ** 2 + 0.05 ** 2 + 0) / 4)
