@@ -49,12 +49,14 @@ from verify import VERIFIERS, Verifier
 # -----------------------------------------------------------------------------
 # Prompts and tasks
 
-def load_prompts(path: Path, categories, limit: int | None) -> list:
-    """[(category, text)] from a Spec-Bench-like jsonl; `limit` prompts per category."""
+def load_prompts(path: Path, categories, limit: int | None, from_end: bool = False) -> list:
+    """[(category, text)] from a Spec-Bench-like jsonl; `limit` prompts per category, the first ones
+    or, from_end, the last ones (in file order either way)."""
     if not path.is_file():
         raise ValueError(f"prompt file not found: {path} (pass --prompt-file)")
     out, per_category = [], {}
-    for number, record in read_jsonl(path):
+    records = read_jsonl(path)
+    for number, record in reversed(records) if from_end else records:
         category = record.get("category", "all")
         if categories and category not in categories or per_category.get(category, 0) >= (limit or math.inf):
             continue
@@ -62,7 +64,7 @@ def load_prompts(path: Path, categories, limit: int | None) -> list:
         out.append((category, check_prompt(prompt_text(record), f"{path} line {number}")))
     if not out:
         raise ValueError(f"no prompts selected from {path}")
-    return out
+    return out[::-1] if from_end else out
 
 
 def reset_peak_memory(device: str):
@@ -261,7 +263,7 @@ def speed_runs(args, target, tokenizer, generator):
                                 Verifier(name), tree=split_tree(spec)[1]))
         if args.peers:
             runs += peer_runs(args.target, temperature, args.num_draft_tokens)
-    prompts = load_prompts(repo_path(args.prompt_file), args.categories, args.limit)
+    prompts = load_prompts(repo_path(args.prompt_file), args.categories, args.limit, args.from_end)
     encoded = [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
     records = interleave(runs, encoded, args.num_draft_tokens, args.max_new_tokens, tokenizer.stop_ids,
                          generator, args.device, args.warmup, args.step_fn)
@@ -641,6 +643,9 @@ def get_args(argv=None):
     ap.add_argument("--categories", default=None,
                     help="comma-separated Spec-Bench categories; all when omitted")
     ap.add_argument("--limit", type=int, default=3, help="prompts per category")
+    ap.add_argument("--from-end", action="store_true",
+                    help="take each category's last --limit prompts, not its first (report.py's GSM8K test "
+                         "questions are the file's last)")
     ap.add_argument("--max-new-tokens", type=int, default=128,
                     help="new tokens per speed-run prompt, at most")
     ap.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")

@@ -31,7 +31,6 @@ import bench
 import model as M
 from checkpoints import (CPU_FEATURES, DATA, DEFAULT_TARGET, ROOT, load_target, pick_threads, resolve_model,
                          write_atomically)
-from decode import prompt_text, read_jsonl
 
 RESULTS = ROOT / "docs" / "results.json"
 README = ROOT / "README.md"
@@ -74,7 +73,8 @@ def task_prompts(task: str, limit: int, tokenizer) -> list:
     if task == "Spec-Bench":
         chosen = bench.load_prompts(DATA / "spec_bench_questions.jsonl", None, 1)[:limit]
     else:
-        chosen = [("gsm8k", prompt_text(r)) for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")[-limit:]]
+        chosen = [("gsm8k", text) for _, text in bench.load_prompts(DATA / "gsm8k_test.jsonl", None, limit,
+                                                                     from_end=True)]
     return [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in chosen]
 
 

@@ -115,3 +115,19 @@ def dflash_net(target, block=6, seed=0):
         for p in net.parameters():
             p.add_(0.05 * torch.randn_like(p))
     return net.eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny target over 16 tokens (few enough to enumerate every continuation), an independent draft
+    model with its own weights, and the int8 target (tests/test_emits.py, tests/test_tree.py)."""
+    target_dir, draft_dir = tmp_path_factory.mktemp("target16"), tmp_path_factory.mktemp("draft16")
+    write_tiny_checkpoint(target_dir, "llama3", seed=1, vocab=16)
+    write_tiny_checkpoint(draft_dir, "llama3", seed=2, vocab=16, layers=1)
+
+    def load(path, int8=False):
+        m = CK.load_model(path)
+        m.setup_caches(1, 64)
+        return M.quantize_int8(m) if int8 else m
+    return {"target": load(target_dir), "int8": load(target_dir, int8=True), "draft_dir": draft_dir,
+            "load": load}

@@ -16,9 +16,7 @@ import json
 import pytest
 import torch
 
-import checkpoints as CK
-import model as M
-from conftest import dflash_net, eagle3_net, write_tiny_checkpoint
+from conftest import dflash_net, eagle3_net
 from decode import exact_verifier, generate
 from draft import AdaptiveDraft, DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft
 from verify import Verifier, induced, probs_from_logits
@@ -27,21 +25,6 @@ V = 16  # small enough to enumerate every continuation
 T = 0.2  # the random tiny target's top token then has ~0.36 of the mass: many outcomes are likely
 REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]  # prompt lookup (and the hybrid's lookup) finds a match here
 FRESH = [4, 9, 7, 11, 5, 14, 2, 6]  # no repeated n-gram: the hybrid falls back on its model draft
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """The tiny target, an independent draft model with its own weights, and an int8 target."""
-    target_dir, draft_dir = tmp_path_factory.mktemp("target16"), tmp_path_factory.mktemp("draft16")
-    write_tiny_checkpoint(target_dir, "llama3", seed=1, vocab=V)
-    write_tiny_checkpoint(draft_dir, "llama3", seed=2, vocab=V, layers=1)
-
-    def load(path, int8=False):
-        m = CK.load_model(path)
-        m.setup_caches(1, 64)
-        return M.quantize_int8(m) if int8 else m
-    return {"target": load(target_dir), "int8": load(target_dir, int8=True), "draft_dir": draft_dir,
-            "load": load}
 
 
 def make_draft(kind: str, models, target, temperature, top_p, generator):

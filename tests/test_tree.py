@@ -134,8 +134,8 @@ def test_greedy_follows_the_argmax_down_the_tree():
 import checkpoints as CK  # noqa: E402
 from decode import generate, tree_depths  # noqa: E402
 from draft import Eagle3Draft, HybridDraft, LookupDraft  # noqa: E402
-from test_emits import (FRESH, REPEATING, T, assert_fits, continuation_distribution, index_of,  # noqa: E402,F401
-                        median_head_probability, models)
+from test_emits import (FRESH, REPEATING, T, assert_fits, continuation_distribution, index_of,  # noqa: E402
+                        median_head_probability)
 from conftest import eagle3_net  # noqa: E402
 
 BRANCHING = [1, 2, 3, 1, 2, 4, 1, 2]  # "1 2" was followed by 4 and by 3: a lookup tree branches at its root
