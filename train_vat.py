@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import model as M
-from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_dirs, default_device, experiment_layout,
-                         latest_checkpoint, load_target, machine_problem, save_checkpoint, start_processes)
+from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_dirs, default_device, draft_kind,
+                         experiment_layout, latest_checkpoint, load_target, machine_problem, read_config, read_log,
+                         save_checkpoint, start_processes)
 from corpus import (DEFAULT_DATA, Corpus, batches, build_corpus, build_dataset, corpus_batches, corpus_layers,
                     data_sources, draft_vocabulary, length_groups)
 from decode import generate, repo_path
@@ -400,7 +401,14 @@ def get_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="smoke run: 12 prompts, 2 steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=default_device())
+    ap.add_argument("--learning-curves", default=None, metavar="FILE",
+                    help="train nothing: write the learning curves of the finished runs in --runs to FILE (JSON)")
+    ap.add_argument("--runs", nargs="+", default=[], metavar="DIR", help="--out directories, for --learning-curves")
     args = ap.parse_args(argv)
+    if args.learning_curves or args.runs:
+        if not (args.learning_curves and args.runs):
+            ap.error("--learning-curves FILE and --runs DIR [DIR ...] go together")
+        return args
     for name, value in QUICK.items() if args.quick else ():  # what the user left at its default
         if getattr(args, name) == ap.get_default(name):
             setattr(args, name, value)
@@ -528,6 +536,9 @@ def learning_rate(args, step: int) -> float:
 
 def main(argv=None):
     args = get_args(argv)
+    if args.learning_curves:
+        write_learning_curves(Path(args.learning_curves), args.runs, argv)
+        return
     announce_defaults(args)
     device, rank, world = start_processes(args.device)
     torch.manual_seed(args.seed)
@@ -622,6 +633,37 @@ def train(args, model, net, target, opt, step: int, log: list, stream, rng, toke
         print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step, "minutes": (time.time() - t0) / 60,
                           "response_tokens_per_s": trained_tokens / (time.time() - t0),
                           "final": log[-1] if log else None}))
+
+
+# -----------------------------------------------------------------------------
+# The record of finished runs: each one's learning curve, with what it trained
+
+CURVE_FIELDS = ("step", "loss", "sim_tau", "head_acc", "weighting_changes", "real_tau")
+
+
+def learning_curves(run_dirs: list) -> dict:
+    """Each run's log, cut to what a learning curve needs, with the draft kind and objective its last
+    checkpoint records. Real tau is in the steps that evaluated it (--eval-every)."""
+    runs = {}
+    for folder in map(Path, run_dirs):
+        log = read_log(folder / "log.jsonl")
+        if not log or not (folder / "checkpoint").is_dir():
+            raise ValueError(f"{folder} holds no training log and checkpoint: not a train_vat.py --out directory")
+        config = read_config(folder / "checkpoint")
+        runs[folder.name] = {"draft": draft_kind(config), **config.get("vat", {}),
+                             "curve": [{k: s[k] for k in CURVE_FIELDS if k in s} for s in log]}
+    return runs
+
+
+def write_learning_curves(out: Path, run_dirs: list, argv=None):
+    from bench import machine_stamp, write_results  # the one home of results files and their stamp
+    command = "python train_vat.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    runs = learning_curves(run_dirs)
+    write_results(out, {"command": command, "machine": machine_stamp("cpu"), "runs": runs})
+    for name, run in runs.items():
+        evaluated = [s for s in run["curve"] if "real_tau" in s]
+        print(f"{name}: {run['draft']} {run['objective']}, {run['curve'][-1]['step']} steps, real tau "
+              + " ".join(f"{s['real_tau']:.2f}@{s['step']}" for s in evaluated))
 
 
 class DraftLoss(torch.nn.Module):

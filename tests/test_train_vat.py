@@ -402,6 +402,15 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
         == sorted(cache)
     found, net = load_draft(tmp_path / "run" / "checkpoint", CK.load_model(tmp_path / "target"))
     assert found == kind and json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())["vat"]["step"] == 4
+    # the record of the run: its curve as logged, what it trained, the machine; refused for a non-run
+    TV.main(["--learning-curves", str(tmp_path / "curves.json"), "--runs", str(tmp_path / "run")])
+    record = json.loads((tmp_path / "curves.json").read_text())
+    run = record["runs"]["run"]
+    assert run["draft"] == kind and run["objective"] == "vat" and "cpu" in record["machine"]
+    assert [s["step"] for s in run["curve"]] == [1, 2, 3, 4] and "real_tau" in run["curve"][1]
+    assert [s.get("real_tau") for s in run["curve"]] == [s.get("real_tau") for s in log]
+    with pytest.raises(ValueError, match="not a train_vat.py --out directory"):
+        TV.main(["--learning-curves", str(tmp_path / "curves.json"), "--runs", str(tmp_path / "cache")])
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
