@@ -149,6 +149,10 @@ def test_paired_ratio_is_a_ratio_of_sums_with_a_paired_interval():
     lo, hi = mixed["tau"]["ci95"]
     assert lo < mixed["tau"]["ratio"] < hi or lo == pytest.approx(mixed["tau"]["ratio"])
     assert lo >= (128 / 40) / (128 / 32) - 1e-9 and hi <= 1.0 + 1e-9  # inside the per-prompt extremes
+    # what the comparison detects: nothing but the ratio itself where every prompt agrees, and a
+    # ratio away from 1 by 2.8 bootstrap standard errors of the log ratio where they do not
+    assert r["tau"]["detectable_ratio"] == pytest.approx(1.0)
+    assert mixed["tau"]["detectable_ratio"] > 1 + (hi - lo) / 2 * 2.8 / 1.96 / 1.2
 
 
 def test_paired_runs_pair_only_runs_with_a_twin():
