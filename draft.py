@@ -370,6 +370,28 @@ class Eagle3Draft(HeadCalibration):
         self.forwards += 1
         return layer.finish(hidden[None], attended)[0]
 
+    def feed_nodes(self, expand: list, tokens: list, parents: list, slots: dict, state_of: dict, base: int,
+                   d: int) -> torch.Tensor:
+        """Feed the tree nodes `expand` (all at depth d + 1) in one draft forward, each into a new
+        cache slot after `base` and seeing only the context and its own ancestors; records each
+        node's slot and output state. -> (E, dim), the states their children are drawn from."""
+        device = self.net.fc.weight.device
+        for node in expand:
+            slots[node] = base + len(slots)
+        fed = torch.tensor([slots[i] for i in expand], device=device)
+        visible = torch.zeros(len(expand), base + len(slots), dtype=torch.bool, device=device)
+        visible[:, :base] = True
+        for row, node in enumerate(expand):
+            while node >= 0:  # the node and its ancestors, all fed at earlier depths
+                visible[row, slots[node]] = True
+                node = parents[node]
+        hidden = torch.stack([state_of[parents[i]] for i in expand])  # (E, dim): each parent's output
+        rope = torch.full((len(expand),), base + d, device=device)  # depth d + 1, as in a chain
+        states = self.tree_step(torch.tensor([tokens[i] for i in expand], device=device), hidden, rope, fed,
+                                visible)
+        state_of.update(zip(expand, states))
+        return states
+
     @torch.no_grad()
     def propose_tree(self, n: int, depth: int, top_k: int = TREE_TOP_K):
         """EAGLE-2's dynamic tree: at each depth, the top_k children of each expanded node become
@@ -425,20 +447,7 @@ class Eagle3Draft(HeadCalibration):
             expand = sorted(new, key=lambda i: -scores[i])[:top_k]
             if base + len(slots) + len(expand) > self.cache.k.shape[2]:
                 break  # the draft's cache ends here (near the end of the context)
-            for node in expand:
-                slots[node] = base + len(slots)
-            fed = torch.tensor([slots[i] for i in expand], device=device)
-            visible = torch.zeros(len(expand), base + len(slots), dtype=torch.bool, device=device)
-            visible[:, :base] = True
-            for row, node in enumerate(expand):
-                while node >= 0:  # the node and its ancestors, all fed at earlier depths
-                    visible[row, slots[node]] = True
-                    node = parents[node]
-            hidden = torch.stack([state_of[parents[i]] for i in expand])  # (E, dim): each parent's output
-            rope = torch.full((len(expand),), base + d, device=device)  # depth d + 1, as in a chain
-            expand_states = self.tree_step(torch.tensor([tokens[i] for i in expand], device=device), hidden,
-                                           rope, fed, visible)
-            state_of.update(zip(expand, expand_states))
+            expand_states = self.feed_nodes(expand, tokens, parents, slots, state_of, base, d)
         if sampled:
             return torch.tensor(tokens, dtype=torch.long), parents, torch.stack(qs) if qs else None
         keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:n])  # creation order
