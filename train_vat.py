@@ -649,6 +649,8 @@ def learning_curves(run_dirs: list) -> dict:
         log = read_log(folder / "log.jsonl")
         if not log or not (folder / "checkpoint").is_dir():
             raise ValueError(f"{folder} holds no training log and checkpoint: not a train_vat.py --out directory")
+        if folder.name in runs:  # the record is keyed by run name: a second one would overwrite the first
+            raise ValueError(f"two runs named {folder.name} in --runs: give each run its own name")
         config = read_config(folder / "checkpoint")
         runs[folder.name] = {"draft": draft_kind(config), **config.get("vat", {}),
                              "curve": [{k: s[k] for k in CURVE_FIELDS if k in s} for s in log]}

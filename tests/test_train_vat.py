@@ -409,6 +409,9 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     assert run["draft"] == kind and run["objective"] == "vat" and "cpu" in record["machine"]
     assert [s["step"] for s in run["curve"]] == [1, 2, 3, 4] and "real_tau" in run["curve"][1]
     assert [s.get("real_tau") for s in run["curve"]] == [s.get("real_tau") for s in log]
+    with pytest.raises(ValueError, match="two runs named run"):
+        TV.main(["--learning-curves", str(tmp_path / "curves.json"), "--runs", str(tmp_path / "run"),
+                 str(tmp_path / "run")])
     with pytest.raises(ValueError, match="not a train_vat.py --out directory"):
         TV.main(["--learning-curves", str(tmp_path / "curves.json"), "--runs", str(tmp_path / "cache")])
 
