@@ -20,6 +20,8 @@ Verification-Aware Training (VAT) of EAGLE-3 and DFlash drafts, and their plain 
    position k; k* is the first k with m_k = 0 (K+1 if none). The verification head learns
    v_k = 1[k < k*] (BCE), and the loss weights restart their decay at k*:
    w_hat_k = 1 for k < k*, w_(k-k*+1) after. L = sum_k w_hat_k (soft CE + hard CE) + beta L_VH.
+5. Shipping: --export runs/NAME/checkpoint drafts/NAME writes the trained draft in bf16 with the
+   early-exit threshold chosen for it (checkpoints keep fp32 for the optimizer).
 """
 import argparse
 import json
@@ -37,8 +39,8 @@ from tqdm import tqdm
 
 import model as M
 from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_dirs, default_device, draft_kind,
-                         experiment_layout, latest_checkpoint, load_target, machine_problem, read_config, read_log,
-                         save_checkpoint, start_processes)
+                         experiment_layout, latest_checkpoint, load_draft, load_model, load_target, machine_problem,
+                         read_config, read_log, resolve_model, save_checkpoint, save_draft, start_processes)
 from corpus import (DEFAULT_DATA, Corpus, batches, build_corpus, build_dataset, corpus_batches, corpus_layers,
                     data_sources, draft_vocabulary, length_groups)
 from decode import generate, repo_path
@@ -404,11 +406,27 @@ def get_args(argv=None):
     ap.add_argument("--learning-curves", default=None, metavar="FILE",
                     help="train nothing: write the learning curves of the finished runs in --runs to FILE (JSON)")
     ap.add_argument("--runs", nargs="+", default=[], metavar="DIR", help="--out directories, for --learning-curves")
+    ap.add_argument("--export", nargs=2, default=None, metavar=("CHECKPOINT", "DIR"),
+                    help="train nothing: write a run's checkpoint (e.g. runs/NAME/checkpoint) as a draft to ship "
+                         "in DIR: bf16, the released layout, without the optimizer state")
+    ap.add_argument("--early-exit-threshold", type=float, default=None,
+                    help="with --export, the threshold a bare decode.py --early-exit takes from the draft")
     args = ap.parse_args(argv)
     if args.learning_curves or args.runs:
         if not (args.learning_curves and args.runs):
             ap.error("--learning-curves FILE and --runs DIR [DIR ...] go together")
         return args
+    if args.export:
+        if not Path(args.export[0]).is_dir():
+            ap.error(f"--export: no checkpoint directory {args.export[0]}")
+        if Path(args.export[1]).exists():
+            ap.error(f"--export: {args.export[1]} exists: choose a new directory (nothing is overwritten)")
+        threshold = args.early_exit_threshold
+        if threshold is not None and not 0 < threshold < 1:
+            ap.error(f"--early-exit-threshold is a probability in (0, 1), got {threshold}")
+        return args
+    if args.early_exit_threshold is not None:
+        ap.error("--early-exit-threshold goes with --export")
     for name, value in QUICK.items() if args.quick else ():  # what the user left at its default
         if getattr(args, name) == ap.get_default(name):
             setattr(args, name, value)
@@ -539,6 +557,9 @@ def main(argv=None):
     if args.learning_curves:
         write_learning_curves(Path(args.learning_curves), args.runs, argv)
         return
+    if args.export:
+        export_draft(Path(args.export[0]), Path(args.export[1]), args.target, args.early_exit_threshold)
+        return
     announce_defaults(args)
     device, rank, world = start_processes(args.device)
     torch.manual_seed(args.seed)
@@ -666,6 +687,19 @@ def write_learning_curves(out: Path, run_dirs: list, argv=None):
         evaluated = [s for s in run["curve"] if "real_tau" in s]
         print(f"{name}: {run['draft']} {run['objective']}, {run['curve'][-1]['step']} steps, real tau "
               + " ".join(f"{s['real_tau']:.2f}@{s['step']}" for s in evaluated))
+
+
+def export_draft(checkpoint: Path, out: Path, target_name: str, early_exit_threshold: float | None):
+    """A training checkpoint as a draft to ship: the network in bf16 (half the bytes; training keeps
+    fp32 for its optimizer), what it was trained with, and the early-exit threshold chosen for it."""
+    target = load_model(resolve_model(target_name), dtype=torch.bfloat16)  # checks the draft matches it
+    kind, net = load_draft(checkpoint, target)
+    extra = {"vat": read_config(checkpoint).get("vat", {})}
+    if early_exit_threshold is not None:
+        extra["early_exit_threshold"] = early_exit_threshold
+    save_draft(net, out, target.args, extra)
+    size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
+    print(f"{kind} draft from {checkpoint} written to {out} (bf16, {size:.1f} MB)")
 
 
 class DraftLoss(torch.nn.Module):

@@ -171,6 +171,10 @@ def test_a_cut_off_log_does_not_stop_a_resume(tmp_path, capsys):
     (["--lr", "nan"], "--lr > 0"),
     (["--objective", "baseline", "--vat-parts", "head"], "--vat-parts applies to --objective vat"),
     (["--vat-parts", "head,magic"], "subset of head,weighting,ce"),
+    (["--early-exit-threshold", "0.1"], "goes with --export"),
+    (["--export", "/nonexistent/run/checkpoint", "/tmp/x"], "no checkpoint directory"),
+    (["--export", "drafts/smollm2-135m-eagle3-vat", "drafts/smollm2-135m-eagle3-gsm8k"], "nothing is overwritten"),
+    (["--export", "drafts/smollm2-135m-eagle3-vat", "/tmp/x", "--early-exit-threshold", "1.5"], "in (0, 1)"),
 ])
 def test_bad_settings_fail_at_start(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -414,6 +418,21 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
                  str(tmp_path / "run")])
     with pytest.raises(ValueError, match="not a train_vat.py --out directory"):
         TV.main(["--learning-curves", str(tmp_path / "curves.json"), "--runs", str(tmp_path / "cache")])
+    # shipping it: bf16 tensors equal to the checkpoint's rounded, what it trained, the threshold
+    shipped = tmp_path / "shipped"
+    TV.main(["--export", str(tmp_path / "run" / "checkpoint"), str(shipped), "--target", str(tmp_path / "target"),
+             "--early-exit-threshold", "0.2"])
+    config = json.loads((shipped / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["early_exit_threshold"] == 0.2
+    assert config["vat"]["step"] == 4 and not (shipped / "train_state.pt").exists()
+    bf16_target = CK.load_model(tmp_path / "target", dtype=torch.bfloat16)
+    _, trained = load_draft(tmp_path / "run" / "checkpoint", bf16_target)
+    found, exported = load_draft(shipped, bf16_target)
+    assert found == kind
+    for (name, a), (_, b) in zip(trained.state_dict().items(), exported.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(SystemExit):  # an export never overwrites a draft
+        TV.get_args(["--export", str(tmp_path / "run" / "checkpoint"), str(shipped)])
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
