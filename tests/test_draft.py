@@ -321,9 +321,32 @@ def test_every_committed_draft_loads_for_the_default_target_and_stays_small(smol
     from pathlib import Path
     from checkpoints import load_draft
     committed = sorted(p for p in (Path(__file__).resolve().parent.parent / "drafts").iterdir() if p.is_dir())
-    assert len(committed) >= 3
+    assert len(committed) >= 4
     target = CK.load_model(smollm2_dir)
+    kinds = set()
     for folder in committed:
         assert sum(f.stat().st_size for f in folder.iterdir()) < 25e6, folder
         kind, net = load_draft(folder, target)
-        assert kind == "eagle3" and net.fc.weight.shape[1] == 3 * target.args.dim, folder
+        kinds.add(kind)
+        # EAGLE-3 fuses three target layers; DFlash the layers its config names
+        fused = 3 if kind == "eagle3" else len(net.target_layers)
+        assert net.fc.weight.shape[1] == fused * target.args.dim, folder
+    assert kinds == {"eagle3", "dflash"}
+
+
+def test_committed_dflash_draft_decodes_the_default_target_exactly(smollm2_dir):
+    """The committed GSM8K DFlash draft, with and without early exit, emits plain greedy decoding's
+    tokens on the int4 default target (bf16 and int4 verify row by row: exact by construction)."""
+    from checkpoints import load_target
+    target, tokenizer = load_target(str(smollm2_dir), "cpu", "int4", 512)
+    ids = tokenizer.encode_chat([{"role": "user", "content": "A baker makes 24 rolls and sells 3 bags of 5 "
+                                  "rolls. How many rolls are left?"}])
+    plain = generate(target, ids, max_new_tokens=64, stop_ids=tokenizer.stop_ids)
+    for early_exit in (None, "auto"):
+        draft = CK.build_draft(str(CK.ROOT / "drafts" / "smollm2-135m-dflash-gsm8k"), target, tokenizer,
+                               early_exit=early_exit)
+        assert isinstance(draft, DFlashDraft)
+        spec = generate(target, ids, draft, Verifier("greedy"), k=7, max_new_tokens=64,
+                        stop_ids=tokenizer.stop_ids)
+        assert spec["tokens"] == plain["tokens"]
+        assert spec["target_forwards"] < plain["target_forwards"]  # it drafts tokens the target keeps
