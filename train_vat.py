@@ -417,13 +417,7 @@ def get_args(argv=None):
             ap.error("--learning-curves FILE and --runs DIR [DIR ...] go together")
         return args
     if args.export:
-        if not Path(args.export[0]).is_dir():
-            ap.error(f"--export: no checkpoint directory {args.export[0]}")
-        if Path(args.export[1]).exists():
-            ap.error(f"--export: {args.export[1]} exists: choose a new directory (nothing is overwritten)")
-        threshold = args.early_exit_threshold
-        if threshold is not None and not 0 < threshold < 1:
-            ap.error(f"--early-exit-threshold is a probability in (0, 1), got {threshold}")
+        check_export(ap, args.export[0], args.export[1], args.early_exit_threshold)
         return args
     if args.early_exit_threshold is not None:
         ap.error("--early-exit-threshold goes with --export")
@@ -443,6 +437,16 @@ def get_args(argv=None):
     if not args.resume and (checkpoint_dirs(args.out) or (args.out / "checkpoint").exists()):
         ap.error(f"{args.out} already holds checkpoints: pass --resume to continue them, or another --out")
     return args
+
+
+def check_export(ap, checkpoint: str, out_dir: str, threshold):
+    """--export's arguments, checked before the target is loaded: nothing is ever written over."""
+    if not Path(checkpoint).is_dir():
+        ap.error(f"--export: no checkpoint directory {checkpoint}")
+    if Path(out_dir).exists():
+        ap.error(f"--export: {out_dir} exists: choose a new directory (nothing is overwritten)")
+    if threshold is not None and not 0 < threshold < 1:
+        ap.error(f"--early-exit-threshold is a probability in (0, 1), got {threshold}")
 
 
 def check_settings(ap, args):
