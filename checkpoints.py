@@ -620,7 +620,9 @@ KEEP_CHECKPOINTS = 2
 
 
 def save_checkpoint(out: Path, net, target_args, step: int, opt, rng: random.Random, log: list,
-                    vat_info: dict):
+                    vat_info: dict, keep_every: int = 0):
+    """Write step-NNNNNN and point `checkpoint` at it; older ones are removed but the newest
+    KEEP_CHECKPOINTS and, with keep_every, those at its multiples (a learning curve's points)."""
     with directory_written_atomically(out / f"step-{step:06d}") as tmp:
         write_draft_files(net, tmp, target_args, {"vat": {**vat_info, "step": step}}, dtype=torch.float32)
         version, internal, gauss = rng.getstate()
@@ -632,7 +634,8 @@ def save_checkpoint(out: Path, net, target_args, step: int, opt, rng: random.Ran
     link.symlink_to(f"step-{step:06d}")
     os.replace(link, out / "checkpoint")  # atomic: the link names the old checkpoint or the new one
     for old in checkpoint_dirs(out)[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
+        if not (keep_every and int(old.name.split("-")[1]) % keep_every == 0):
+            shutil.rmtree(old, ignore_errors=True)
     write_atomically(out / "log.jsonl", "".join(json.dumps(s) + "\n" for s in log))  # for reading
 
 

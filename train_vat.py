@@ -392,6 +392,9 @@ def get_args(argv=None):
     ap.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for real tau")
     ap.add_argument("--eval-k", type=int, default=7)
     ap.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
+    ap.add_argument("--keep-every", type=int, default=0,
+                    help="also keep the checkpoints at multiples of this step (0: only the newest two), "
+                         "to measure a learning curve on test prompts afterwards")
     ap.add_argument("--out", default=None, help="output directory (default runs/<target>-<draft>-<objective>)")
     ap.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
     ap.add_argument("--cache-dir", default=str(cache_dir() / "train"), help="where regenerated responses are cached")
@@ -457,7 +460,7 @@ def check_settings(ap, args):
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.corpus_batches is not None and args.corpus_batches < 1:
         ap.error(f"--corpus-batches must be >= 1, got {args.corpus_batches}")
-    for name in ("warmup", "eval_every", "eval_prompts", "num_prompts", "self_prompts"):
+    for name in ("warmup", "eval_every", "eval_prompts", "num_prompts", "self_prompts", "keep_every"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not (args.block_size >= 2 and math.isfinite(args.lr) and args.lr > 0 and math.isfinite(args.beta)
@@ -649,7 +652,8 @@ def train(args, model, net, target, opt, step: int, log: list, stream, rng, toke
                        file=sys.stderr)
         if master and (step % args.save_every == 0 or last):
             save_checkpoint(args.out, net, target.args, step, opt, rng, log,
-                            {"objective": args.objective, "vat_parts": args.vat_parts, "target": args.target})
+                            {"objective": args.objective, "vat_parts": args.vat_parts, "target": args.target},
+                            args.keep_every)
         if out_of_time:
             tqdm.write(f"time budget of {args.time_budget} min reached at step {step}", file=sys.stderr)
             break

@@ -146,6 +146,19 @@ def test_tampered_training_state_is_refused_not_executed(tmp_path, capsys):
     assert "skipping checkpoint" in capsys.readouterr().err
 
 
+def test_only_the_newest_checkpoints_and_those_at_keep_every_remain(tmp_path):
+    net = small_draft(seed=1)
+    for step in range(1, 8):
+        CK.save_checkpoint(tmp_path / "plain", net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
+                           random.Random(0), [{"step": s} for s in range(1, step + 1)], {"objective": "vat"})
+        CK.save_checkpoint(tmp_path / "kept", net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
+                           random.Random(0), [{"step": s} for s in range(1, step + 1)], {"objective": "vat"},
+                           keep_every=3)
+    assert [p.name for p in CK.checkpoint_dirs(tmp_path / "plain")] == ["step-000006", "step-000007"]
+    assert [p.name for p in CK.checkpoint_dirs(tmp_path / "kept")] == ["step-000003", "step-000006", "step-000007"]
+    assert (tmp_path / "kept" / "checkpoint").resolve().name == "step-000007"
+
+
 def test_a_cut_off_log_does_not_stop_a_resume(tmp_path, capsys):
     net = small_draft(seed=1)
     CK.save_checkpoint(tmp_path, net, TARGET_ARGS, 3, torch.optim.AdamW(net.parameters()), random.Random(0),
@@ -162,6 +175,7 @@ def test_a_cut_off_log_does_not_stop_a_resume(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--save-every", "0"], "--save-every must be >= 1"),
+    (["--keep-every", "-1"], "--keep-every must be >= 0"),
     (["--warmup", "-1"], "--warmup must be >= 0"),
     (["--eval-prompts", "901"], "would hold out all 900 prompts"),
     (["--data", "data/gsm8k_test.jsonl", "--num-prompts", "5", "--eval-prompts", "5"], "hold out all 5"),
