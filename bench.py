@@ -118,6 +118,8 @@ def draft_label(spec: str) -> str:
     hybrid = base.startswith("lookup+")
     path = Path(base.removeprefix("lookup+").split(":", 1)[-1])
     name = base if base == "lookup" else (path.parent.name if path.name == "checkpoint" else path.name)
+    if re.fullmatch(r"step-\d{6}", path.name):  # a kept checkpoint of a run (train_vat --keep-every)
+        name = f"{path.parent.name}@{int(path.name[5:])}"
     name = ("lookup+" if hybrid else "") + name
     if early_exit is not None:
         name += " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}")
@@ -711,6 +713,9 @@ def check_and_complete(ap, args):
     args.paired = [pair.split(",") for pair in args.paired]
     if any(len(pair) != 2 or any(d not in args.drafts for d in pair) for pair in args.paired):
         ap.error("--paired takes two of the --drafts, comma-separated")
+    labels = [draft_label(spec) for spec in args.drafts]
+    if len(set(labels)) < len(labels):  # runs and results are keyed by label: one would replace another
+        ap.error(f"two --drafts have one name: {', '.join(sorted({n for n in labels if labels.count(n) > 1}))}")
     for spec in args.drafts:
         if split_tree(spec)[1] and spec.endswith("@adapt"):
             ap.error(f"{spec}: @adapt sets a chain's length; it does not apply to @tree")

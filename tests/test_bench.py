@@ -155,6 +155,16 @@ def test_paired_ratio_is_a_ratio_of_sums_with_a_paired_interval():
     assert mixed["tau"]["detectable_ratio"] > 1 + (hi - lo) / 2 * 2.8 / 1.96 / 1.2
 
 
+def test_drafts_of_one_name_are_refused_and_kept_checkpoints_are_named_by_run_and_step():
+    """Runs are keyed by a draft's name: two drafts of one name would overwrite each other's results."""
+    assert bench.draft_label("runs/vat/checkpoint") == "vat"
+    assert bench.draft_label("runs/vat/step-000500@ee0.1") == "vat@500 +early-exit 0.1"
+    with pytest.raises(SystemExit):
+        bench.get_args(["--drafts", "runs/a/checkpoint,other/a"])
+    args = bench.get_args(["--drafts", "runs/vat/step-000500,runs/base/step-000500", "--speed-off"])
+    assert [bench.draft_label(d) for d in args.drafts] == ["vat@500", "base@500"]
+
+
 def test_paired_runs_pair_only_runs_with_a_twin():
     """--paired A,B compares A's runs with B's runs of the same verifier and temperature; A's
     runs that B has no twin for (A with early exit) are left out, not a crash after the runs; each
