@@ -287,6 +287,78 @@ def test_auto_layout_times_the_candidates_once_and_remembers_them(tiny_dir, tmp_
     assert not cache.exists() and "used for this run only" in capsys.readouterr().err
 
 
+def test_auto_layout_for_blocks_skips_a_layout_whose_blocks_part_from_one_token_steps(tiny_dir, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """Where a bf16 block does not give the bits of one-token steps (oneDNN's bf16 kernels on some
+    CPUs), greedy speculation in it would part from plain decoding: --dtype auto times it but does
+    not choose it for verification blocks; for one-token steps it still may."""
+    if not M.packable(torch.bfloat16):
+        pytest.skip("no bf16 kernels on this CPU")
+    monkeypatch.setattr(CK, "LAYOUT_CACHE", tmp_path / "layouts.json")
+    monkeypatch.setattr(CK, "idle_cores", lambda: 64.0)
+    monkeypatch.setattr(CK, "step_seconds", lambda target, block:
+                        {"bfloat16-packed": 0.001, "bfloat16": 0.002}.get(target.layout, 0.003))
+    probed = []
+    monkeypatch.setattr(CK, "blocks_match_steps", lambda target, block: probed.append(target.layout) or
+                        target.layout != "bfloat16-packed")
+    path = tmp_path / "tiny"
+    shutil.copytree(tiny_dir("llama3"), path)
+    shutil.copy(CK.resolve_model(CK.DEFAULT_TARGET) / "tokenizer.json", path)
+    assert CK.load_target(str(path), "cpu", "auto", 64, block=8)[0].layout == "bfloat16"
+    assert probed == ["bfloat16-packed", "bfloat16"]  # only the layouts that promise exact blocks
+    assert "bfloat16-packed blocks of 8 tokens do not give the bits" in capsys.readouterr().err
+    assert list(json.loads((tmp_path / "layouts.json").read_text()).values())[0]["inexact"] == ["bfloat16-packed"]
+    probed.clear()
+    assert CK.load_target(str(path), "cpu", "auto", 64, block=1)[0].layout == "bfloat16-packed" and not probed
+
+
+class SumsBlocksInAnotherOrder(torch.nn.Module):
+    """A matmul whose rows depend on how many rows it is given, as oneDNN's bf16 kernels' can."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y if x.shape[-2] == 1 else y + 1e-3 * y.abs().max()
+
+
+def test_the_probe_sees_a_block_that_parts_from_one_token_steps(tiny_dir):
+    target = CK.build_target(tiny_dir("llama3"), "bfloat16", "cpu", 128)
+    assert CK.blocks_match_steps(target, 8)
+    mlp = target.layers[1].mlp
+    mlp.down_proj = SumsBlocksInAnotherOrder(mlp.down_proj)
+    assert not CK.blocks_match_steps(target, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_layout_auto_may_verify_in_speculates_exactly_on_the_default_target(threads):
+    """Each layout --dtype auto may take for 8-token blocks at this thread count (every candidate
+    but a coarse one the probe rejects) emits plain decoding's tokens under greedy prompt lookup, on
+    the default target's real shapes (on one AMD EPYC, bf16-packed at one thread did not)."""
+    from decode import generate
+    from draft import LookupDraft
+    path = CK.resolve_model(CK.DEFAULT_TARGET)
+    tok = load_tokenizer(path)
+    prompts = [json.loads(line)["prompt"] for line in
+               (ROOT / "data" / "arithmetic_test.jsonl").read_text().splitlines()[:3]]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for layout in CK.layout_candidates(path):
+            target = CK.build_target(path, layout, "cpu", 512)
+            if layout in CK.EXACT_LAYOUTS and not CK.blocks_match_steps(target, 8):
+                continue  # timed, never chosen for verification
+            for prompt in prompts:
+                ids = tok.encode_chat([{"role": "user", "content": prompt}])
+                plain = generate(target, ids, max_new_tokens=64)["tokens"]
+                assert generate(target, ids, LookupDraft(), k=7, max_new_tokens=64)["tokens"] == plain, layout
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_layout_flags(tiny_dir):
     """--dtype as load_target takes it; int4 is a candidate where the weights are 4-bit at source."""
     assert CK.target_layout(None, "cpu", False) == "auto"
