@@ -899,6 +899,10 @@ def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int, b
         layout, measured = fastest_layout(path, block, max_seq_len)
     target = build_target(path, layout, device, max_seq_len)
     target.layout_ms = measured
+    if not measured and device == "cpu" and block > 1 and layout.startswith("bfloat16") \
+            and not blocks_match_steps(target, block):  # asked for by name: warn, do not refuse
+        print(f"note: on this CPU {layout} blocks of {block} tokens do not give the bits of one-token steps: "
+              f"greedy speculation may part from plain decoding (--dtype auto or int4 does not)", file=sys.stderr)
     return target, load_tokenizer(path)
 
 

@@ -332,6 +332,19 @@ def test_the_probe_sees_a_block_that_parts_from_one_token_steps(tiny_dir):
     assert not CK.blocks_match_steps(target, 8)
 
 
+def test_a_bf16_layout_asked_for_by_name_warns_where_its_blocks_are_not_exact(tiny_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    monkeypatch.setattr(CK, "blocks_match_steps", lambda target, block: False)
+    path = tmp_path / "tiny"
+    shutil.copytree(tiny_dir("llama3"), path)
+    shutil.copy(CK.resolve_model(CK.DEFAULT_TARGET) / "tokenizer.json", path)
+    CK.load_target(str(path), "cpu", "bfloat16", 64, block=8)
+    assert "greedy speculation may part from plain decoding" in capsys.readouterr().err
+    CK.load_target(str(path), "cpu", "bfloat16", 64, block=1)  # plain decoding: nothing to say
+    CK.load_target(str(path), "cpu", "float32", 64, block=8)  # (not a layout that promises bits)
+    assert "part from" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_layout_auto_may_verify_in_speculates_exactly_on_the_default_target(threads):
