@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 import model as M
 from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, LAYOUTS, ROOT, apply_layout, build_draft,
-                        compile_step, cpu_description, default_device, embedded_gguf_path, layout_dtype,
+                        checkpoint_step, compile_step, cpu_description, default_device, embedded_gguf_path, layout_dtype,
                         load_target, machine_problem, pick_threads, resolve_model, target_layout, wants_compile,
                         write_atomically)
 from decode import check_prompt, check_temperature, generate, prompt_text, read_jsonl, repo_path, repo_relative
@@ -118,8 +118,8 @@ def draft_label(spec: str) -> str:
     hybrid = base.startswith("lookup+")
     path = Path(base.removeprefix("lookup+").split(":", 1)[-1])
     name = base if base == "lookup" else (path.parent.name if path.name == "checkpoint" else path.name)
-    if re.fullmatch(r"step-\d{6}", path.name):  # a kept checkpoint of a run (train_vat --keep-every)
-        name = f"{path.parent.name}@{int(path.name[5:])}"
+    if checkpoint_step(path) is not None:  # a kept checkpoint of a run (train_vat --keep-every)
+        name = f"{path.parent.name}@{checkpoint_step(path)}"
     name = ("lookup+" if hybrid else "") + name
     if early_exit is not None:
         name += " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}")

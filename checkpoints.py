@@ -634,7 +634,7 @@ def save_checkpoint(out: Path, net, target_args, step: int, opt, rng: random.Ran
     link.symlink_to(f"step-{step:06d}")
     os.replace(link, out / "checkpoint")  # atomic: the link names the old checkpoint or the new one
     for old in checkpoint_dirs(out)[:-KEEP_CHECKPOINTS]:
-        if not (keep_every and int(old.name.split("-")[1]) % keep_every == 0):
+        if not (keep_every and checkpoint_step(old) % keep_every == 0):
             shutil.rmtree(old, ignore_errors=True)
     write_atomically(out / "log.jsonl", "".join(json.dumps(s) + "\n" for s in log))  # for reading
 
@@ -649,7 +649,7 @@ def latest_checkpoint(out: Path, target):
             _, net = load_draft(folder, target, dtype=torch.float32)
             state = torch.load(folder / "train_state.pt", weights_only=True)
             step = read_config(folder)["vat"]["step"]
-            if not state["step"] == step == int(folder.name.split("-")[1]):
+            if not state["step"] == step == checkpoint_step(folder):
                 raise ValueError(f"steps disagree: folder {folder.name}, weights {step}, "
                                  f"state {state['step']}")
             return net, state, read_log(folder / "log.jsonl")[:step]
@@ -659,9 +659,14 @@ def latest_checkpoint(out: Path, target):
     return None
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The training step a step-NNNNNN directory holds, or None for any other name."""
+    return int(path.name[5:]) if re.fullmatch(r"step-\d{6}", path.name) else None
+
+
 def checkpoint_dirs(out: Path) -> list:
     """The step-NNNNNN directories in `out`, oldest first."""
-    return sorted(p for p in out.glob("step-*") if re.fullmatch(r"step-\d{6}", p.name) and p.is_dir())
+    return sorted(p for p in out.glob("step-*") if checkpoint_step(p) is not None and p.is_dir())
 
 
 def read_log(path: Path) -> list:
