@@ -16,6 +16,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -121,28 +122,48 @@ def data_sources(data: str, self_prompts: int) -> tuple:
     return [p for p in names if p != "self"], self_prompts if "self" in names else 0
 
 
-def build_dataset(target, tokenizer, args) -> list:
+class Recipe(NamedTuple):
+    """What a corpus (or a regenerated dataset) is made of and where it is kept. Every field but
+    cache_dir and corpus_batches is part of the cache key, so a changed recipe never reuses a
+    stale corpus. corpus_batches: only the held-out prompts and the first N generation batches."""
+    target: str
+    data: str
+    num_prompts: int
+    self_prompts: int
+    response_tokens: int
+    max_prompt_tokens: int
+    gen_batch: int
+    eval_prompts: int
+    cache_dir: str
+    corpus_batches: int | None = None
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(**{name: getattr(args, name) for name in cls._fields})
+
+
+def build_dataset(target, tokenizer, recipe: Recipe) -> list:
     """[(ids, response_start, prompt text)], cached by target, prompts and generation settings.
     The prompt text is kept so held-out prompts are evaluated as the user wrote them."""
-    files, n_self = data_sources(args.data, args.self_prompts)
+    files, n_self = data_sources(recipe.data, recipe.self_prompts)
     key_src = ",".join(str(repo_path(p).resolve()) for p in files)
-    key = hashlib.sha1(f"v2|{args.target}|{key_src}|{args.num_prompts}|{n_self}|{args.response_tokens}|"
-                       f"{args.max_prompt_tokens}".encode()).hexdigest()[:12]
-    cache = Path(args.cache_dir) / f"responses-{key}.pt"
+    key = hashlib.sha1(f"v2|{recipe.target}|{key_src}|{recipe.num_prompts}|{n_self}|{recipe.response_tokens}|"
+                       f"{recipe.max_prompt_tokens}".encode()).hexdigest()[:12]
+    cache = Path(recipe.cache_dir) / f"responses-{key}.pt"
     if cache.is_file():
         print(f"reusing cached responses {cache}", file=sys.stderr)
         return torch.load(cache)
-    prompts = read_prompt_files(files, args.num_prompts) if files else []
+    prompts = read_prompt_files(files, recipe.num_prompts) if files else []
     if n_self:
-        prompts += magpie_prompts(target, tokenizer, n_self, args.gen_batch)
+        prompts += magpie_prompts(target, tokenizer, n_self, recipe.gen_batch)
     random.Random(1).shuffle(prompts)
-    encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])[-args.max_prompt_tokens:]
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])[-recipe.max_prompt_tokens:]
                for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
     data = []
-    for start in tqdm(range(0, len(order), args.gen_batch), desc="target responses", file=sys.stderr):
-        idx = order[start:start + args.gen_batch]
-        for i, response in zip(idx, batch_generate(target, [encoded[i] for i in idx], args.response_tokens,
+    for start in tqdm(range(0, len(order), recipe.gen_batch), desc="target responses", file=sys.stderr):
+        idx = order[start:start + recipe.gen_batch]
+        for i, response in zip(idx, batch_generate(target, [encoded[i] for i in idx], recipe.response_tokens,
                                                    tokenizer.stop_ids)):
             data.append((encoded[i] + response, len(encoded[i]), prompts[i]))
     save_atomically(data, cache)
@@ -213,47 +234,47 @@ def corpus_layers(n_layer: int) -> tuple:
     return tuple(sorted(set(eagle3_target_layers(n_layer)) | set(dflash_target_layers(n_layer, 2))))
 
 
-def corpus_prompts(target, tokenizer, args) -> list:
+def corpus_prompts(target, tokenizer, recipe: Recipe) -> list:
     """The training prompts (files, then self-written), shuffled once: the corpus's order."""
-    files, n_self = data_sources(args.data, args.self_prompts)
-    prompts = read_prompt_files(files, args.num_prompts) if files else []
+    files, n_self = data_sources(recipe.data, recipe.self_prompts)
+    prompts = read_prompt_files(files, recipe.num_prompts) if files else []
     if n_self:
-        prompts += magpie_prompts(target, tokenizer, n_self, args.gen_batch)
+        prompts += magpie_prompts(target, tokenizer, n_self, recipe.gen_batch)
     random.Random(1).shuffle(prompts)
     return prompts
 
 
-def corpus_dir(args) -> Path:
-    files, n_self = data_sources(args.data, args.self_prompts)
+def corpus_dir(recipe: Recipe) -> Path:
+    files, n_self = data_sources(recipe.data, recipe.self_prompts)
     key_src = ",".join(hashlib.sha1(repo_path(p).read_bytes()).hexdigest()[:12] for p in files)
-    settings = (f"corpus-v1|{args.target}|{key_src}|{args.num_prompts}|{n_self}|{args.response_tokens}|"
-                f"{args.max_prompt_tokens}|{args.gen_batch}|{args.eval_prompts}")
+    settings = (f"corpus-v1|{recipe.target}|{key_src}|{recipe.num_prompts}|{n_self}|{recipe.response_tokens}|"
+                f"{recipe.max_prompt_tokens}|{recipe.gen_batch}|{recipe.eval_prompts}")
     key = hashlib.sha1(settings.encode()).hexdigest()[:12]
-    return Path(args.cache_dir) / f"corpus-{key}"
+    return Path(recipe.cache_dir) / f"corpus-{key}"
 
 
-def build_corpus(target, tokenizer, args) -> Path:
+def build_corpus(target, tokenizer, recipe: Recipe) -> Path:
     """Generate (greedy) and capture the corpus in shards of one generation batch each. A shard is
     written whole or not at all, so an interrupted build continues where it stopped."""
-    folder = corpus_dir(args)
+    folder = corpus_dir(recipe)
     folder.mkdir(parents=True, exist_ok=True)
     layers = corpus_layers(target.args.n_layer)
     prompts_file = folder / "prompts.json"
     if prompts_file.is_file():
         prompts = json.loads(prompts_file.read_text())
     else:
-        prompts = corpus_prompts(target, tokenizer, args)
+        prompts = corpus_prompts(target, tokenizer, recipe)
         write_atomically(prompts_file, json.dumps(prompts))
-    encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])[-args.max_prompt_tokens:]
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])[-recipe.max_prompt_tokens:]
                for p in prompts]
     # held-out prompts first, each alone (left padding changes a response only by float noise,
     # but they are the evaluation); the rest by length, so a batch pads little
-    order = list(range(args.eval_prompts))
-    order += sorted(range(args.eval_prompts, len(encoded)), key=lambda i: len(encoded[i]))
-    groups = [order[i:i + args.gen_batch] for i in range(args.eval_prompts, len(order), args.gen_batch)]
-    groups = [[i] for i in order[:args.eval_prompts]] + groups
-    if args.corpus_batches:  # a prefix of the corpus: the held-out prompts, then the shortest prompts
-        groups = groups[:args.eval_prompts + args.corpus_batches]
+    order = list(range(recipe.eval_prompts))
+    order += sorted(range(recipe.eval_prompts, len(encoded)), key=lambda i: len(encoded[i]))
+    groups = [order[i:i + recipe.gen_batch] for i in range(recipe.eval_prompts, len(order), recipe.gen_batch)]
+    groups = [[i] for i in order[:recipe.eval_prompts]] + groups
+    if recipe.corpus_batches:  # a prefix of the corpus: the held-out prompts, then the shortest prompts
+        groups = groups[:recipe.eval_prompts + recipe.corpus_batches]
     todo = []
     for n, group in enumerate(groups):
         problem = shard_problem(folder / f"shard-{n:05d}.pt")
@@ -266,7 +287,7 @@ def build_corpus(target, tokenizer, args) -> Path:
         print(f"corpus: {len(prompts)} prompts, {len(todo)} of {len(groups)} generation batches to do, "
               f"into {folder}", file=sys.stderr)
     for n, group in tqdm(todo, desc="target responses + features", file=sys.stderr, disable=not todo):
-        responses, captured = batch_generate(target, [encoded[i] for i in group], args.response_tokens,
+        responses, captured = batch_generate(target, [encoded[i] for i in group], recipe.response_tokens,
                                              tokenizer.stop_ids, capture_layers=layers)
         shard = {name: torch.cat([c[name] for c in captured]) for name in captured[0]}
         shard["tokens"] = torch.tensor([t for i, r in zip(group, responses) for t in encoded[i] + r],

@@ -32,6 +32,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_d
                          experiment_layout, latest_checkpoint, load_draft, load_model, load_target, machine_problem,
                          read_config, read_log, resolve_model, save_checkpoint, save_draft, start_processes)
 from corpus import (DEFAULT_DATA, Corpus, batches, build_corpus, build_dataset, corpus_batches, corpus_layers,
-                    data_sources, draft_vocabulary, length_groups)
+                    Recipe, data_sources, draft_vocabulary, length_groups)
 from decode import generate, repo_path
 from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers, eagle3_target_layers)
 from verify import Verifier
@@ -99,16 +100,28 @@ def simulate_acceptance(draft_logits, target_logp, label: str):
     return torch.rand_like(ratio) < ratio.clamp(max=1)
 
 
-def objective(draft_logits, head_logits, target_logp, valid, args, native: str, target_in_vocab=None):
+class LossSettings(NamedTuple):
+    """What the draft's loss trains, read off the command line once: VAT's parts (none: the draft's
+    own objective), the verification its labels and k* simulate, and the head's weight in the sum."""
+    parts: frozenset = frozenset()
+    label: str = "greedy"
+    beta: float = 1.0
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(frozenset(args.vat_parts) if args.objective == "vat" else frozenset(), args.vat_label, args.beta)
+
+
+def objective(draft_logits, head_logits, target_logp, valid, settings: LossSettings, decay, native: str,
+              target_in_vocab=None):
     """The loss of one batch of K-step chains. draft_logits and target_logp (N, K, V') on the same
     vocabulary, head_logits (N, K), valid (N, K). native: 'soft' (EAGLE-3) or 'hard' (DFlash).
     target_in_vocab (N, K): whether the target's argmax is in the draft vocabulary at all."""
-    decay = eagle3_decay if args.draft == "eagle3" else dflash_decay
     N, K = valid.shape
     valid = valid.bool()
     with torch.no_grad():
-        accepted = simulate_acceptance(draft_logits, target_logp, args.vat_label)
-        if target_in_vocab is not None and args.vat_label == "greedy":
+        accepted = simulate_acceptance(draft_logits, target_logp, settings.label)
+        if target_in_vocab is not None and settings.label == "greedy":
             # greedy verification keeps only the target's argmax, which a draft cannot propose when
             # its vocabulary lacks it; sampled verification can still keep another drafted token
             accepted &= target_in_vocab
@@ -116,7 +129,7 @@ def objective(draft_logits, head_logits, target_logp, valid, args, native: str, 
     valid_f = valid.float()
     ce_valid = valid_f if target_in_vocab is None else valid_f * target_in_vocab
     # VAT changes three things; --vat-parts picks them for the paper's ablation rows
-    parts = set(args.vat_parts) if args.objective == "vat" else set()
+    parts = settings.parts
     both_ce = "ce" in parts  # soft + hard CE for either draft, instead of the draft's native one
     ce = step_losses(draft_logits, target_logp, ce_valid, soft=both_ce or native == "soft",
                      hard=both_ce or native == "hard")
@@ -126,7 +139,7 @@ def objective(draft_logits, head_logits, target_logp, valid, args, native: str, 
     if "head" in parts:
         head = F.binary_cross_entropy_with_logits(head_logits.float(), labels.float(), reduction="none")
         head_loss = (head * valid_f).sum() / valid_f.sum().clamp_min(1)
-        loss = loss + args.beta * head_loss
+        loss = loss + settings.beta * head_loss
     chains = valid[:, 0].bool()  # chains that start inside the response
     n_valid = valid_f.sum().clamp_min(1).item()
     stats = {"loss": loss.item(), "head_loss": head_loss.item(),
@@ -256,11 +269,11 @@ def eagle3_target_side(net: Eagle3, target, batch):
         return captured_features(features, net.target_layers, target), logp, top.long()
 
 
-def eagle3_loss(net: Eagle3, target, batch, args):
+def eagle3_loss(net: Eagle3, target, batch, settings: LossSettings, K: int):
     """EAGLE-3's training-time test on one batch, as K-step chains from the base positions whose
     chain predicts at least one response token; the loss is a mean over those chains."""
     tokens, response = batch[0], batch[1].bool()
-    T, K = tokens.shape[1], args.ttt_steps
+    T = tokens.shape[1]
     features, target_logp, target_top = eagle3_target_side(net, target, batch)
     # the chain from base t predicts, at step s, the token at t+2+s; the target's distribution
     # for it sits at t+1+s
@@ -270,17 +283,18 @@ def eagle3_loss(net: Eagle3, target, batch, args):
     b, t = valid.any(-1).nonzero(as_tuple=True)  # (N,) each: the chains that carry loss
     logits, heads = eagle3_chains(net, target.embed_tokens, tokens, features, b, t, K)  # (N, K, Vd), (N, K)
     source = (t[:, None] + 1 + step).clamp(max=T - 1)  # (N, K)
-    return objective(logits, heads, target_logp[b[:, None], source], valid[b, t], args, native="soft",
-                     target_in_vocab=net.t2d[target_top[b[:, None], source]])
+    return objective(logits, heads, target_logp[b[:, None], source], valid[b, t], settings, eagle3_decay,
+                     native="soft", target_in_vocab=net.t2d[target_top[b[:, None], source]])
 
 
-def dflash_loss(net: DFlash, target, batch, args):
-    """DFlash's block objective on one batch: blocks at random anchors inside the responses."""
+def dflash_loss(net: DFlash, target, batch, settings: LossSettings, blocks_per_seq: int):
+    """DFlash's block objective on one batch: blocks_per_seq blocks at random anchors inside each
+    response."""
     tokens, response = batch[0], batch[1].bool()
     B, T = tokens.shape
     bs = net.block_size
     target_logits, features = target_pass(target, batch, net.target_layers)
-    anchors = sample_anchors(response, args.blocks_per_seq)  # (B, nb)
+    anchors = sample_anchors(response, blocks_per_seq)  # (B, nb)
     # the target's lm_head as a plain matmul: a packed CPU weight has no autograd, and the draft's
     # gradient must flow through it
     lm_weight = M.dense_weight(target.lm_head)
@@ -296,7 +310,8 @@ def dflash_loss(net: DFlash, target, batch, args):
 
     def blocks(x):  # (B, nb, bs-1, ...) -> (B*nb, bs-1, ...): one chain per block
         return x.flatten(0, 1)
-    return objective(blocks(logits), blocks(heads), blocks(target_logp), blocks(valid), args, native="hard")
+    return objective(blocks(logits), blocks(heads), blocks(target_logp), blocks(valid), settings, dflash_decay,
+                     native="hard")
 
 
 def sample_anchors(response, n: int):
@@ -315,21 +330,21 @@ def sample_anchors(response, n: int):
 # Evaluation: real tau through decode.py's loop
 
 @torch.no_grad()
-def evaluate_tau(net, target, tokenizer, prompts, args) -> float:
-    """Real tau of the draft on held-out prompts, greedy, through decode.py's own loop."""
+def evaluate_tau(net, target, tokenizer, prompts, k: int, max_prompt_tokens: int) -> float:
+    """Real tau of the draft on held-out prompts, greedy, k drafted tokens a step, through decode.py's
+    own loop. It leaves the target's caches sized for one sequence: the caller restores its own."""
     net.eval()
-    target.setup_caches(1, args.max_prompt_tokens + EVAL_NEW_TOKENS + args.eval_k + 1)
+    target.setup_caches(1, max_prompt_tokens + EVAL_NEW_TOKENS + k + 1)
     if isinstance(net, Eagle3):
         draft = Eagle3Draft(net, target.embed_tokens, target.max_seq_len)
     else:
         draft = DFlashDraft(net, target.embed_tokens, target.lm_head, target.max_seq_len)
     new = forwards = 0
     for text in prompts:
-        ids = tokenizer.encode_chat([{"role": "user", "content": text}])[-args.max_prompt_tokens:]
-        r = generate(target, ids, draft, Verifier("greedy"), k=args.eval_k, max_new_tokens=EVAL_NEW_TOKENS,
+        ids = tokenizer.encode_chat([{"role": "user", "content": text}])[-max_prompt_tokens:]
+        r = generate(target, ids, draft, Verifier("greedy"), k=k, max_new_tokens=EVAL_NEW_TOKENS,
                      stop_ids=tokenizer.stop_ids)
         new, forwards = new + r["new_tokens"], forwards + r["target_forwards"]
-    target.setup_caches(args.batch_size, args.seq_len)
     net.train()
     return new / max(forwards, 1)
 
@@ -576,8 +591,9 @@ def main(argv=None):
     target, tokenizer = load_target(args.target, device, experiment_layout(device),
                                     args.max_prompt_tokens + args.response_tokens)
     target.setup_caches(args.gen_batch, args.max_prompt_tokens + args.response_tokens)
-    corpus = Corpus(*build_corpus(target, tokenizer, args)) if args.features == "captured" else None
-    data = [corpus.sequence(i) for i in range(len(corpus))] if corpus else build_dataset(target, tokenizer, args)
+    recipe = Recipe.from_args(args)
+    corpus = Corpus(*build_corpus(target, tokenizer, recipe)) if args.features == "captured" else None
+    data = [corpus.sequence(i) for i in range(len(corpus))] if corpus else build_dataset(target, tokenizer, recipe)
     if args.prepare_only:
         print(json.dumps({"sequences": len(data), "tokens": sum(len(ids) for ids, *_ in data),
                           "response_tokens": sum(len(ids) - start for ids, start, _ in data)}))
@@ -592,7 +608,7 @@ def main(argv=None):
     if rng_state:
         rng.setstate(rng_state)
     target.setup_caches(args.batch_size, args.seq_len)  # training forwards: one batch of sequences
-    model = DraftLoss(net, target, args)
+    model = DraftLoss(net, target, LossSettings.from_args(args), args.ttt_steps, args.blocks_per_seq)
     if world > 1:  # gradients of the draft are averaged across processes; the target is never all-reduced
         model = torch.nn.parallel.DistributedDataParallel(model)
     stream = batch_stream(args, corpus, data, rng)
@@ -647,7 +663,9 @@ def train(args, model, net, target, opt, step: int, log: list, stream, rng, toke
         out_of_time = args.time_budget and (time.time() - t0) / 60 > args.time_budget
         last = step == args.steps or out_of_time
         if master and args.eval_every and (step % args.eval_every == 0 or last):
-            stats["real_tau"] = evaluate_tau(net, target, tokenizer, eval_texts, args)
+            stats["real_tau"] = evaluate_tau(net, target, tokenizer, eval_texts, args.eval_k,
+                                             args.max_prompt_tokens)
+            target.setup_caches(args.batch_size, args.seq_len)  # back to training batches
             tqdm.write(f"step {step}: real tau {stats['real_tau']:.2f} on {len(eval_texts)} held-out prompts",
                        file=sys.stderr)
         if master and (step % args.save_every == 0 or last):
@@ -714,13 +732,15 @@ class DraftLoss(torch.nn.Module):
     """The draft and its training loss as one module, so DDP sees the forward it must sync.
     The target is held outside the module's parameters: frozen, and never all-reduced."""
 
-    def __init__(self, net, target, args):
+    def __init__(self, net, target, settings: LossSettings, ttt_steps: int, blocks_per_seq: int):
         super().__init__()
-        self.net, self.frozen, self.args = net, [target], args
+        self.net, self.frozen, self.settings = net, [target], settings
+        self.ttt_steps, self.blocks_per_seq = ttt_steps, blocks_per_seq
 
     def forward(self, *batch):
-        loss = eagle3_loss if isinstance(self.net, Eagle3) else dflash_loss
-        return loss(self.net, self.frozen[0], batch, self.args)
+        if isinstance(self.net, Eagle3):
+            return eagle3_loss(self.net, self.frozen[0], batch, self.settings, self.ttt_steps)
+        return dflash_loss(self.net, self.frozen[0], batch, self.settings, self.blocks_per_seq)
 
 
 

@@ -15,7 +15,7 @@ import model as M
 from checkpoints import ROOT, load_draft, save_draft
 import train_vat as TV
 from conftest import eagle3_net
-from test_train_vat import corpus_args, tiny_chat_target
+from test_train_vat import corpus_recipe, tiny_chat_target
 from tokenizer import load_tokenizer
 
 
@@ -32,8 +32,8 @@ def test_a_damaged_corpus_shard_is_named_and_generated_again(tmp_path, chat_targ
     target, tokenizer = chat_target
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"question {i}"}) + "\n" for i in range(9)))
-    args = corpus_args(tmp_path, data=str(prompts))
-    folder, _ = C.build_corpus(target, tokenizer, args)
+    recipe = corpus_recipe(tmp_path, data=str(prompts))
+    folder, _ = C.build_corpus(target, tokenizer, recipe)
     whole = C.Corpus(folder)
     shards = sorted(folder.glob("shard-*.pt"))
     overwritten, cut = shards[1], shards[3]
@@ -44,7 +44,7 @@ def test_a_damaged_corpus_shard_is_named_and_generated_again(tmp_path, chat_targ
     with pytest.raises(ValueError, match=f"corpus shard .*{overwritten.name} is damaged"):
         C.Corpus(folder)  # never trained on
     capsys.readouterr()
-    C.build_corpus(target, tokenizer, args)
+    C.build_corpus(target, tokenizer, recipe)
     err = capsys.readouterr().err
     assert f"{overwritten.name} is damaged" in err and f"{cut.name} is damaged" in err
     again = C.Corpus(folder)
@@ -55,7 +55,7 @@ def test_a_corpus_shard_with_non_finite_values_is_refused(tmp_path, chat_target)
     target, tokenizer = chat_target
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"question {i}"}) + "\n" for i in range(5)))
-    folder, _ = C.build_corpus(target, tokenizer, corpus_args(tmp_path, data=str(prompts)))
+    folder, _ = C.build_corpus(target, tokenizer, corpus_recipe(tmp_path, data=str(prompts)))
     shard = sorted(folder.glob("shard-*.pt"))[-1]
     rows = torch.load(shard, weights_only=True)
     rows["features"][0, 0] = float("nan")

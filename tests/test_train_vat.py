@@ -244,8 +244,8 @@ def hand_made_chains():
 def test_each_vat_part_changes_only_its_own_term(parts):
     draft, head, tgt, valid = hand_made_chains()
     N, K = valid.shape
-    args = argparse.Namespace(draft="eagle3", objective="vat", vat_label="greedy", vat_parts=parts, beta=0.5)
-    loss, _ = TV.objective(draft, head, tgt, valid, args, native="soft")
+    settings = TV.LossSettings(frozenset(parts), "greedy", 0.5)
+    loss, _ = TV.objective(draft, head, tgt, valid, settings, TV.eagle3_decay, native="soft")
     logq = F.log_softmax(draft, -1)
     soft = -(tgt.exp() * logq).sum(-1)
     hard = -logq.gather(-1, tgt.argmax(-1, keepdim=True))[..., 0]
@@ -268,10 +268,9 @@ def test_sampled_labels_do_not_force_rejection_outside_the_draft_vocabulary():
     outside = torch.zeros(N, K, dtype=torch.bool)
     valid = torch.ones(N, K, dtype=torch.bool)
     for label, sim_tau in (("sample", K + 1), ("greedy", 1)):
-        args = argparse.Namespace(draft="eagle3", objective="vat", vat_label=label, vat_parts=list(TV.VAT_PARTS),
-                                  beta=1.0)
-        _, stats = TV.objective(logp.clone(), torch.zeros(N, K), logp, valid, args, native="soft",
-                                target_in_vocab=outside)
+        settings = TV.LossSettings(frozenset(TV.VAT_PARTS), label)
+        _, stats = TV.objective(logp.clone(), torch.zeros(N, K), logp, valid, settings, TV.eagle3_decay,
+                                native="soft", target_in_vocab=outside)
         assert stats["sim_tau"] == pytest.approx(sim_tau), label
 
 
@@ -293,12 +292,14 @@ def test_baseline_objective_is_the_plain_loss():
     N, K, V = 6, 4, 11
     draft, tgt = torch.randn(N, K, V), F.log_softmax(torch.randn(N, K, V), -1)
     valid = torch.rand(N, K) > 0.2
-    args = argparse.Namespace(draft="eagle3", objective="baseline", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0)
-    loss, _ = TV.objective(draft, torch.zeros(N, K), tgt, valid, args, native="soft")
+    # the baseline objective: --vat-parts is ignored, no part of VAT applies
+    baseline = TV.LossSettings.from_args(argparse.Namespace(objective="baseline", vat_label="greedy",
+                                                            vat_parts=TV.VAT_PARTS, beta=1.0))
+    assert baseline.parts == frozenset()
+    loss, _ = TV.objective(draft, torch.zeros(N, K), tgt, valid, baseline, TV.eagle3_decay, native="soft")
     soft = -(tgt.exp() * F.log_softmax(draft, -1)).sum(-1) * valid
     assert torch.allclose(loss, (0.8 ** torch.arange(K) * soft).sum() / N)
-    args.draft = "dflash"
-    loss, _ = TV.objective(draft, torch.zeros(N, K), tgt, valid, args, native="hard")
+    loss, _ = TV.objective(draft, torch.zeros(N, K), tgt, valid, baseline, TV.dflash_decay, native="hard")
     hard = F.cross_entropy(draft.flatten(0, 1), tgt.argmax(-1).flatten(), reduction="none").view(N, K) * valid
     assert torch.allclose(loss, (torch.exp(-torch.arange(K) / 7) * hard).sum() / N)
 
@@ -308,15 +309,17 @@ def test_vat_objective_on_hand_made_logits():
     tgt = F.log_softmax(torch.tensor([[[2.0, 0], [2.0, 0], [2.0, 0]]]), -1)
     draft = torch.tensor([[[1.0, 0], [0, 1.0], [1.0, 0]]])
     head = torch.tensor([[3.0, -3.0, 0.0]])
-    args = argparse.Namespace(draft="eagle3", objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0)
-    loss, stats = TV.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), args, native="soft")
+    settings = TV.LossSettings(frozenset(TV.VAT_PARTS))
+    loss, stats = TV.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), settings, TV.eagle3_decay,
+                               native="soft")
     ce = -(tgt.exp() * F.log_softmax(draft, -1)).sum(-1) - F.log_softmax(draft, -1)[..., 0]
     weights = torch.tensor([1.0, 1.0, 0.8])  # 1 before k*, then the decay restarts at k*
     bce = F.binary_cross_entropy_with_logits(head, torch.tensor([[1.0, 0, 0]]))
     assert torch.allclose(loss, (weights * ce).sum() + bce)
     assert stats["sim_tau"] == 2.0 and stats["weighting_changes"] == 1.0  # k* = 2: the weights differ
     draft[0, 0] = torch.tensor([0, 1.0])  # now rejected at k = 1: VAT's weights are the baseline's
-    _, stats = TV.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), args, native="soft")
+    _, stats = TV.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), settings, TV.eagle3_decay,
+                            native="soft")
     assert stats["sim_tau"] == 1.0 and stats["weighting_changes"] == 0.0
 
 
@@ -328,8 +331,8 @@ def tiny_training(target, objective, steps, seed=0):
     for p in prompts:
         out = generate(target, p, max_new_tokens=26)["tokens"]
         data.append((p + out, len(p), "prompt"))
-    args = argparse.Namespace(draft="eagle3", objective=objective, vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0,
-                              ttt_steps=4)
+    settings = TV.LossSettings.from_args(argparse.Namespace(objective=objective, vat_label="greedy",
+                                                            vat_parts=TV.VAT_PARTS, beta=1.0))
     net = eagle3_net(target, draft_vocab=97).train()
     net.d2t.zero_()
     net.t2d.fill_(True)
@@ -337,13 +340,13 @@ def tiny_training(target, objective, steps, seed=0):
     stream = C.batches(data, 16, 32, __import__("random").Random(0))
     target.setup_caches(16, 40)
     batch = next(stream)
-    _, before = TV.eagle3_loss(net, target, batch, args)
+    _, before = TV.eagle3_loss(net, target, batch, settings, K=4)
     for _ in range(steps):
-        loss, _ = TV.eagle3_loss(net, target, next(stream), args)
+        loss, _ = TV.eagle3_loss(net, target, next(stream), settings, K=4)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    _, after = TV.eagle3_loss(net, target, batch, args)
+    _, after = TV.eagle3_loss(net, target, batch, settings, K=4)
     target.setup_caches(1, 128)
     return net.eval(), before, after, prompts
 
@@ -458,13 +461,12 @@ def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, 
             M.pack_for_cpu(target)
         target.setup_caches(2, 40)
         net = (eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=4)).train()
-        args = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0,
-                                  ttt_steps=3, blocks_per_seq=2)
         torch.manual_seed(0)  # the same tokens and DFlash anchors both times
         tokens = torch.randint(0, 96, (2, 24))
         mask = torch.zeros(2, 24)
         mask[:, 6:] = 1
-        loss, _ = TV.DraftLoss(net, target, args)(tokens, mask)
+        loss, _ = TV.DraftLoss(net, target, TV.LossSettings(frozenset(TV.VAT_PARTS)), ttt_steps=3,
+                               blocks_per_seq=2)(tokens, mask)
         loss.backward()
         assert all(p.grad is None for p in target.parameters())  # the target stays frozen
         grads.append({n: p.grad for n, p in net.named_parameters()})
@@ -483,12 +485,12 @@ def ttt_mask(T: int, step: int) -> torch.Tensor:
     return torch.cat([causal] + [torch.eye(T, dtype=torch.bool)] * step, dim=1)
 
 
-def dense_eagle3_loss(net, target, tokens, response, args):
+def dense_eagle3_loss(net, target, tokens, response, settings, K):
     """The reference: EAGLE-3's training-time test unrolled over every base position of the
     padded batch with SDPA and ttt_mask (train_vat's code before it trained only the chains that
     carry loss). Its loss is a mean over all B*T chains."""
     B, T = tokens.shape
-    K, layer = args.ttt_steps, net.midlayer
+    layer = net.midlayer
     with torch.no_grad():
         target_logits, hidden = target(tokens, torch.arange(T), hidden_layers=net.target_layers)
     features = torch.cat(hidden, -1)
@@ -514,7 +516,8 @@ def dense_eagle3_loss(net, target, tokens, response, args):
 
     def chains(x):
         return x.transpose(1, 2).flatten(0, 1)
-    return TV.objective(chains(logits), chains(heads), chains(target_logp), chains(valid), args, native="soft",
+    return TV.objective(chains(logits), chains(heads), chains(target_logp), chains(valid), settings, TV.eagle3_decay,
+                        native="soft",
                         target_in_vocab=chains(in_vocab))
 
 
@@ -547,16 +550,15 @@ def test_chain_training_equals_the_dense_reference(tiny_dir, parts):
     target = CK.load_model(tiny_dir("qwen3_untied"))
     target.setup_caches(3, 40)
     net = eagle3_net(target).train()
-    args = argparse.Namespace(draft="eagle3", objective="vat", vat_label="greedy", vat_parts=parts, beta=1.0,
-                              ttt_steps=4)
+    settings, K = TV.LossSettings(frozenset(parts)), 4
     tokens, mask = prompt_response_batch(96, [30, 17, 24], [9, 5, 14])
     B, T = tokens.shape
-    dense, dense_stats = dense_eagle3_loss(net, target, tokens, mask, args)
+    dense, dense_stats = dense_eagle3_loss(net, target, tokens, mask, settings, K)
     dense_grads = torch.autograd.grad(dense, list(net.parameters()), allow_unused=True)
-    fast, fast_stats = TV.eagle3_loss(net, target, (tokens, mask), args)
+    fast, fast_stats = TV.eagle3_loss(net, target, (tokens, mask), settings, K)
     fast_grads = torch.autograd.grad(fast, list(net.parameters()), allow_unused=True)
     # the chains kept: every base t whose predictions t+2 .. t+K+1 reach a response token
-    kept = sum((n - 3) - max(start - 1 - args.ttt_steps, 0) + 1 for n, start in zip([30, 17, 24], [9, 5, 14]))
+    kept = sum((n - 3) - max(start - 1 - K, 0) + 1 for n, start in zip([30, 17, 24], [9, 5, 14]))
     head = fast_stats["head_loss"]
     assert head == pytest.approx(dense_stats["head_loss"], rel=1e-5)
     assert (fast.item() - head) * kept == pytest.approx((dense.item() - head) * B * T, rel=1e-5)
@@ -571,12 +573,12 @@ def test_chain_training_equals_the_dense_reference(tiny_dir, parts):
             assert (scaled_fast - scaled_dense).abs().max() <= 1e-5 * scaled_dense.abs().max(), name
 
 
-def corpus_args(tmp_path, **over):
+def corpus_recipe(tmp_path, **over):
     args = dict(target="tiny", data="prompts", num_prompts=0, self_prompts=0, response_tokens=12,
                 max_prompt_tokens=32, gen_batch=4, eval_prompts=2, corpus_batches=None,
                 cache_dir=str(tmp_path / "cache"))
     args.update(over)
-    return argparse.Namespace(**args)
+    return C.Recipe(**args)
 
 
 def test_captured_rows_equal_a_full_forward(tmp_path):
@@ -616,18 +618,17 @@ def test_training_from_the_corpus_equals_training_on_the_fly(tmp_path, kind):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers " * (1 + i % 3)}) + "\n"
                                for i in range(10)))
-    args = corpus_args(tmp_path, data=str(prompts))
-    corpus = C.Corpus(*C.build_corpus(target, tokenizer, args))
+    recipe = corpus_recipe(tmp_path, data=str(prompts))
+    corpus = C.Corpus(*C.build_corpus(target, tokenizer, recipe))
     assert len(corpus) == 10 and corpus.layers == C.corpus_layers(target.args.n_layer)
     net = eagle3_net(target, draft_vocab=97) if kind == "eagle3" else dflash_net(target, block=4)
-    targs = argparse.Namespace(draft=kind, objective="vat", vat_label="greedy", vat_parts=TV.VAT_PARTS, beta=1.0,
-                               ttt_steps=3, blocks_per_seq=2)
+    loss = TV.DraftLoss(net, target, TV.LossSettings(frozenset(TV.VAT_PARTS)), ttt_steps=3, blocks_per_seq=2)
     batch = next(C.corpus_batches(corpus, range(2, 10), 200, 64, random.Random(0)))
     target.setup_caches(len(batch[0]), batch[0].shape[1])
     torch.manual_seed(1)
-    fly, fly_stats = TV.DraftLoss(net, target, targs)(batch[0], batch[1])
+    fly, fly_stats = loss(batch[0], batch[1])
     torch.manual_seed(1)
-    captured, stats = TV.DraftLoss(net, target, targs)(*batch)
+    captured, stats = loss(*batch)
     assert captured.item() == pytest.approx(fly.item(), rel=2e-3)
     assert stats["sim_tau"] == pytest.approx(fly_stats["sim_tau"], rel=1e-3)
 
@@ -670,23 +671,22 @@ def test_an_interrupted_corpus_build_continues_where_it_stopped(tmp_path):
     tokenizer = load_tokenizer(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"question {i}"}) + "\n" for i in range(9)))
-    args = corpus_args(tmp_path, data=str(prompts))
-    folder, n_shards = C.build_corpus(target, tokenizer, args)
+    recipe = corpus_recipe(tmp_path, data=str(prompts))
+    folder, n_shards = C.build_corpus(target, tokenizer, recipe)
     shards = sorted(folder.glob("shard-*.pt"))
     assert n_shards == len(shards)
     assert len(shards) == 2 + 2  # two held-out prompts alone, then 7 prompts in batches of 4
     whole = C.Corpus(folder)
     stamps = {f.name: f.stat().st_mtime_ns for f in shards}
     shards[-1].unlink()  # as if killed while writing the last one (a shard is written whole or not at all)
-    C.build_corpus(target, tokenizer, args)
+    C.build_corpus(target, tokenizer, recipe)
     again = C.Corpus(folder)
     assert [f.stat().st_mtime_ns for f in shards[:-1]] == [stamps[f.name] for f in shards[:-1]]
     assert again.tokens.tolist() == whole.tokens.tolist()
     assert torch.equal(again.features, whole.features)
     assert [again.sequence(i) for i in range(len(again))] == [whole.sequence(i) for i in range(len(whole))]
     # a prefix: the held-out prompts and the first batch, nothing generated beyond it
-    args.corpus_batches = 1
-    assert C.build_corpus(target, tokenizer, args) == (folder, 3)
+    assert C.build_corpus(target, tokenizer, recipe._replace(corpus_batches=1)) == (folder, 3)
     prefix = C.Corpus(folder, 3)
     assert len(prefix) == 2 + 4 and prefix.tokens.tolist() == whole.tokens[:len(prefix.tokens)].tolist()
 
