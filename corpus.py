@@ -124,8 +124,9 @@ def data_sources(data: str, self_prompts: int) -> tuple:
 
 class Recipe(NamedTuple):
     """What a corpus (or a regenerated dataset) is made of and where it is kept. Every field but
-    cache_dir and corpus_batches is part of the cache key, so a changed recipe never reuses a
-    stale corpus. corpus_batches: only the held-out prompts and the first N generation batches."""
+    cache_dir and corpus_batches is part of a corpus's cache key (corpus_dir), so a changed recipe
+    never reuses a stale corpus. corpus_batches: only the held-out prompts and the first N
+    generation batches."""
     target: str
     data: str
     num_prompts: int
@@ -153,10 +154,7 @@ def build_dataset(target, tokenizer, recipe: Recipe) -> list:
     if cache.is_file():
         print(f"reusing cached responses {cache}", file=sys.stderr)
         return torch.load(cache)
-    prompts = read_prompt_files(files, recipe.num_prompts) if files else []
-    if n_self:
-        prompts += magpie_prompts(target, tokenizer, n_self, recipe.gen_batch)
-    random.Random(1).shuffle(prompts)
+    prompts = corpus_prompts(target, tokenizer, recipe)
     encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])[-recipe.max_prompt_tokens:]
                for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less

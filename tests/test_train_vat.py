@@ -517,8 +517,7 @@ def dense_eagle3_loss(net, target, tokens, response, settings, K):
     def chains(x):
         return x.transpose(1, 2).flatten(0, 1)
     return TV.objective(chains(logits), chains(heads), chains(target_logp), chains(valid), settings, TV.eagle3_decay,
-                        native="soft",
-                        target_in_vocab=chains(in_vocab))
+                        native="soft", target_in_vocab=chains(in_vocab))
 
 
 def test_ttt_mask_sees_prefix_and_own_chain():
