@@ -188,7 +188,7 @@ def run_lossy(*extra, cwd=ROOT):
 def test_quick_run_is_consistent_and_resumes(tmp_path):
     """The real default target and GSM8K draft on one problem per level: the summary is the
     per-problem records', exact configurations show no distortion, the tree versions pair with
-    their chains, and a rerun resumes (one run for all of it: each run loads the target)."""
+    their chains, and a rerun resumes (the trees share the chains' run: each run loads the target)."""
     out = tmp_path / "lossy.json"
     configs = "plain sampling,lossless,minp p_base=0.1,cos lam=0.5,overshoot lam=0.5 c=2"
     r = run_lossy("--quick", "--workers", "1", "--configs", configs, "--tree", "6", "--out", str(out))
@@ -220,6 +220,7 @@ def test_quick_run_is_consistent_and_resumes(tmp_path):
         assert s["family"] == pooled[chain]["family"]
         assert s["vs_chain"]["block_efficiency_ratio"] == pytest.approx(
             s["block_efficiency"] / pooled[chain]["block_efficiency"])
+        assert all(p["runs"][label]["target_forwards"] > 0 for p in records)
     assert "draft trees of 6 tokens against their chains" in r.stdout
     assert json.loads(r.stdout.strip().splitlines()[-1])["tv"] == {lb: s["tv"] for lb, s in pooled.items()}
     assert all(Path(p).is_file() for p in result["plots"])
