@@ -1,5 +1,6 @@
 """report.py: README's results table is what docs/results.json renders to, and the report runs."""
 import json
+import re
 
 import pytest
 
@@ -61,3 +62,11 @@ def test_results_files_name_only_files_that_exist_and_no_machine_paths():
         assert not any(root in text for root in ('"/home/', '"/root/', '"/work/', '"/tmp/', str(ROOT))), path
         for plot in json.loads(text).get("plots") or []:
             assert (ROOT / plot).is_file(), f"{path.name} names {plot}, which does not exist"
+
+
+def test_readme_and_results_page_name_only_committed_docs():
+    # a number quoted from a JSON that was never committed cannot be regenerated or checked
+    for page in (ROOT / "README.md", ROOT / "docs" / "RESULTS.md"):
+        named = set(re.findall(r"docs/[\w.-]+\.(?:json|png)", page.read_text()))
+        missing = sorted(name for name in named if not (ROOT / name).is_file())
+        assert not missing, f"{page.name} names files that do not exist: {missing}"
