@@ -47,17 +47,20 @@ def small_draft(seed):
     return net
 
 
-# Saves a checkpoint at step 2, then one at step 4 during which the K-th file-system operation
-# (every write, rename, link and delete a save makes) is replaced by kill -9. K = 0: no kill.
+# One process imports torch once, then forks a child per kill point: each child saves a checkpoint at
+# step 2, then one at step 4 during which the K-th file-system operation (every write, rename, link
+# and delete a save makes) is replaced by kill -9. K = 0: no kill; that child writes the count of
+# operations. The parent runs no torch kernel before forking (no thread pool is forked); it only makes
+# an optimizer, whose lazy imports would otherwise cost each child seconds.
 KILLER = r"""
-import os, shutil, signal, sys, tempfile, random
+import json, os, shutil, signal, sys, tempfile, random
 from pathlib import Path
 import safetensors.torch, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import checkpoints as CK
 from test_train_vat import TARGET_ARGS, small_draft
-out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
-count = None
+runs = Path(sys.argv[1])
+count = kill_at = None
 def wrap(owner, name):
     real = getattr(owner, name)
     def op(*a, **k):
@@ -72,44 +75,48 @@ for owner, name in [(os, "rename"), (os, "replace"), (os, "symlink"), (os, "unli
                     (tempfile, "mkdtemp"), (safetensors.torch, "save_file"), (torch, "save"),
                     (Path, "write_text"), (Path, "rename"), (Path, "symlink_to"), (Path, "unlink")]:
     wrap(owner, name)
-for step in (2, 4):
-    net = small_draft(seed=step)
-    opt = torch.optim.AdamW(net.parameters())
-    if step == 4:
-        count = 0
-    CK.save_checkpoint(out, net, TARGET_ARGS, step, opt, random.Random(step), [{{"step": s}} for s in range(1, step + 1)],
-                       {{"objective": "vat"}})
-print(count)
+def saves(out):
+    global count
+    for step in (2, 4):
+        net = small_draft(seed=step)
+        opt = torch.optim.AdamW(net.parameters())
+        if step == 4:
+            count = 0
+        CK.save_checkpoint(out, net, TARGET_ARGS, step, opt, random.Random(step),
+                           [{{"step": s}} for s in range(1, step + 1)], {{"objective": "vat"}})
+    n, count = count, None  # the count file below is not part of the save
+    return n
+torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its lazy imports, once, before forking
+def child(k):
+    pid = os.fork()
+    if pid == 0:
+        global kill_at
+        kill_at = k
+        n = saves(runs / f"kill-{{k}}")
+        (runs / f"kill-{{k}}.count").write_text(str(n))
+        os._exit(0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+assert child(0) == 0
+n_ops = int((runs / "kill-0.count").read_text())
+print(json.dumps({{"n_ops": n_ops, "exit": {{k: child(k) for k in range(1, n_ops + 2)}}}}))
 """
 
 
-def start_killer(out: Path, kill_at: int):
+def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path):
+    """Killed at each file operation of a save, the directory holds a whole checkpoint of one step
+    or the other."""
     script = KILLER.format(root=str(ROOT), tests=str(ROOT / "tests"))
-    return subprocess.Popen([sys.executable, "-c", script, str(out), str(kill_at)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path, request):
-    """Killed at each file operation of a save (every other one in the default suite, all of them
-    with --runslow; each kill is a process that imports torch), the directory holds a whole
-    checkpoint of one step or the other."""
-    first = start_killer(tmp_path / "count", 0)
-    stdout, stderr = first.communicate(timeout=120)
-    assert first.returncode == 0, stderr
-    n_ops = int(stdout.split()[-1])
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    n_ops = report["n_ops"]
     assert n_ops >= 8  # temp dir, weights, config, state, log, rename, link, swap, prune, log copy
+    assert len(report["exit"]) == n_ops + 1
     target = small_target()
     expected = {step: small_draft(seed=step).state_dict() for step in (2, 4)}
-    runs = {}
-    points = range(1, n_ops + 2) if request.config.getoption("--runslow") else [*range(1, n_ops + 1, 2), n_ops + 1]
-    for kill_at in points:  # a few at a time: each is mostly importing torch
-        runs[kill_at] = start_killer(tmp_path / f"kill-{kill_at}", kill_at)
-        if len(runs) % 4 == 0:
-            runs[kill_at].wait(timeout=120)
-    for kill_at, proc in runs.items():
-        out = tmp_path / f"kill-{kill_at}"
-        _, stderr = proc.communicate(timeout=120)
-        assert proc.returncode == (-9 if kill_at <= n_ops else 0), (kill_at, stderr)
+    for kill_at, code in report["exit"].items():
+        kill_at, out = int(kill_at), tmp_path / f"kill-{kill_at}"
+        assert code == (-9 if kill_at <= n_ops else 0), (kill_at, code)
         net, state, log = CK.latest_checkpoint(out, target)
         step = state["step"]
         assert step == (4 if kill_at > n_ops else step) and step in (2, 4)
