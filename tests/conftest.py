@@ -87,6 +87,26 @@ def smollm2_dir():
     return CK.resolve_model("smollm2-135m")
 
 
+@pytest.fixture
+def decode_failure(monkeypatch, capsys):
+    """decode.py's main in this process, on input it must refuse (a fresh process per case would
+    import torch each time): returns (exit status, what the script prints last on stderr). The
+    script's wrapper turns a CheckpointError or ValueError into one line 'error: <message>' (tested
+    end to end in tests/test_decode.py); argparse prints its usage, then one line."""
+    import decode
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the suite's thread count stays
+
+    def run(argv):
+        try:
+            decode.main(argv)
+        except SystemExit as e:
+            return e.code, capsys.readouterr().err.strip().splitlines()[-1]
+        except (M.CheckpointError, ValueError) as e:
+            return 1, f"error: {e}"
+        raise AssertionError(f"decode.py {' '.join(argv)} did not fail")
+    return run
+
+
 # random EAGLE-3 and DFlash drafts over a target (non-trivial norms and biases: a path that ignores one fails)
 
 def eagle3_net(target, draft_vocab=60, seed=0):

@@ -195,14 +195,29 @@ def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
     (["--prompt-file", "{file}"], '{"question": "fine"}\n{"turns": [""]}\n', "line 2: the prompt is empty"),
     (["--prompt-file", "{file}"], "not json\n", "line 1 is not valid JSON"),
 ])
-def test_bad_prompts_fail_in_one_line_before_loading(tmp_path, argv, content, message):
+def test_bad_prompts_fail_in_one_line_before_loading(tmp_path, argv, content, message, monkeypatch, capsys,
+                                                    decode_failure):
+    import decode
+
+    def no_loading(*_, **__):
+        raise AssertionError("weights loaded before the prompts were checked")
+    monkeypatch.setattr(decode, "load_target", no_loading)
     path = tmp_path / "prompts.jsonl"
     if content is not None:
         path.write_text(content)
         path.with_suffix(".jsonl.txt").write_text(content)
-    r = subprocess.run([sys.executable, str(ROOT / "decode.py"), *[a.format(file=path) for a in argv]],
+    status, line = decode_failure([a.format(file=path) for a in argv])
+    assert status != 0 and message in line and "\n" not in line
+    assert capsys.readouterr().out == ""
+
+
+def test_a_bad_prompt_file_fails_in_one_line_from_the_command_line(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("not json\n")
+    r = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--prompt-file", str(path)],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode != 0 and message in r.stderr.strip().splitlines()[-1], r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {path} line 1 is not valid JSON"), r.stderr
     assert r.stdout == ""
 
 

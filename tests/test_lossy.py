@@ -185,7 +185,7 @@ def run_lossy(*extra, cwd=ROOT):
                           timeout=600, cwd=cwd)
 
 
-def test_quick_run_is_consistent_and_resumes(tmp_path):
+def test_quick_run_is_consistent_and_resumes(tmp_path, capsys):
     """The real default target and GSM8K draft on one problem per level: the summary is the
     per-problem records', exact configurations show no distortion, the tree versions pair with
     their chains, and a rerun resumes (the trees share the chains' run: each run loads the target)."""
@@ -225,23 +225,26 @@ def test_quick_run_is_consistent_and_resumes(tmp_path):
     assert json.loads(r.stdout.strip().splitlines()[-1])["tv"] == {lb: s["tv"] for lb, s in pooled.items()}
     assert all(Path(p).is_file() for p in result["plots"])
 
+    # the rerun and the refusal in this process: neither loads the target
     log = out.with_name(out.name + ".problems.jsonl")
     before = log.read_text()
-    again = run_lossy("--quick", "--workers", "1", "--configs", configs, "--tree", "6", "--out", str(out))
-    assert again.returncode == 0 and "4 of 4 problems done" in again.stderr
+    capsys.readouterr()
+    lossy.main(["--quick", "--workers", "1", "--configs", configs, "--tree", "6", "--out", str(out)])
+    assert "4 of 4 problems done" in capsys.readouterr().err
     assert json.loads(out.read_text())["summary"] == summary and log.read_text() == before
     # other settings never mix into the same log: a one-line refusal, the log untouched
-    other = run_lossy("--quick", "--workers", "1", "--configs", "lossless", "--out", str(out))
-    assert other.returncode != 0 and other.stderr.strip().splitlines()[-1].startswith("error: ")
-    assert log.read_text() == before
+    with pytest.raises(ValueError, match="holds a run with other settings") as refusal:
+        lossy.main(["--quick", "--workers", "1", "--configs", "lossless", "--out", str(out)])
+    assert "\n" not in str(refusal.value) and log.read_text() == before
 
 
 @pytest.mark.parametrize("bad,message", [(["--tasks", "chess"], "--tasks"), (["--configs", "minp p_base=0.7"],
                                          "unknown configuration"), (["--temperature", "0"], "--temperature"),
                                          (["--problems", "0"], "--problems"), (["--tree", "-2"], "--tree")])
-def test_bad_arguments_fail_in_one_line(bad, message):
-    r = run_lossy(*bad)
-    assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1]
+def test_bad_arguments_fail_in_one_line(bad, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        lossy.get_args(bad)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_missing_weights_and_drafts_fail_in_one_line_and_keep_the_log_usable(tmp_path):

@@ -2,8 +2,6 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -197,11 +195,6 @@ def test_resolve_names(tmp_path, monkeypatch):
 # -----------------------------------------------------------------------------
 # Bad input through the command line: one line, non-zero exit
 
-def run_decode(*args):
-    return subprocess.run([sys.executable, str(ROOT / "decode.py"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-
-
 def broken_copy(tiny_dir, tmp_path, how):
     """A tiny checkpoint broken in one way, with a tokenizer (decode.py reads it first)."""
     src = tiny_dir("llama3", shard=True)
@@ -240,21 +233,20 @@ def broken_copy(tiny_dir, tmp_path, how):
                                          ("fewer_layers", "holds tensor layers.2."),
                                          ("missing_field", "config.json lacks 'intermediate_size'"),
                                          ("mistyped_field", "'hidden_size' must be a positive integer, not '64'")])
-def test_bad_checkpoints_fail_in_one_line(tiny_dir, tmp_path, how, message):
-    r = run_decode("--target", str(broken_copy(tiny_dir, tmp_path, how)))
-    assert r.returncode != 0
-    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:") and message in r.stderr, r.stderr
+def test_bad_checkpoints_fail_in_one_line(tiny_dir, tmp_path, how, message, decode_failure):
+    status, line = decode_failure(["--target", str(broken_copy(tiny_dir, tmp_path, how))])
+    assert status != 0 and line.startswith("error:") and message in line and "\n" not in line, line
 
 
-def test_missing_directory_and_long_prompt(tmp_path, smollm2_dir):
-    r = run_decode("--target", str(tmp_path / "nope"))
-    assert r.returncode != 0 and r.stderr.startswith("error:") and "neither a directory" in r.stderr
-    r = run_decode("--prompt", "word " * 300, "--max-seq-len", "256")
-    assert r.returncode != 0 and r.stderr.strip().count("\n") == 0 and "the context holds 256" in r.stderr
-    r = run_decode("--verifier", "overshoot", "--ceiling", "0.5")
-    assert r.returncode != 0 and "c >= 1" in r.stderr
-    r = run_decode("--verifier", "magic")
-    assert r.returncode != 0 and "invalid choice" in r.stderr
+def test_missing_directory_and_long_prompt(tmp_path, smollm2_dir, decode_failure):
+    status, line = decode_failure(["--target", str(tmp_path / "nope")])
+    assert status != 0 and line.startswith("error:") and "neither a directory" in line
+    status, line = decode_failure(["--prompt", "word " * 300, "--max-seq-len", "256"])
+    assert status != 0 and "\n" not in line and "the context holds 256" in line
+    status, line = decode_failure(["--verifier", "overshoot", "--ceiling", "0.5"])
+    assert status != 0 and "c >= 1" in line
+    status, line = decode_failure(["--verifier", "magic"])
+    assert status != 0 and "invalid choice" in line
 
 
 def test_auto_layout_times_the_candidates_once_and_remembers_them(tiny_dir, tmp_path, monkeypatch, capsys):
