@@ -330,17 +330,24 @@ class Eagle3Draft(HeadCalibration):
         self.forwards += 1
         return layer.finish(hidden[None], attended)[0]  # pre-norm: what the next draft step feeds back
 
-    @torch.no_grad()
-    def propose(self, k: int):
+    def feed_pending(self):
+        """Feed the pairs committed since the last draft forward; returns the last one's output
+        (1, dim), the state the next guess is drafted from."""
         net = self.net
         device, dtype = net.fc.weight.device, net.fc.weight.dtype
-        if not self.pending_tokens:  # a one-token prompt: no target state to draft from yet
-            return no_tokens()
         tokens_in = torch.tensor(self.pending_tokens, dtype=torch.long, device=device)
         fused = net.fc(self.pending_features.to(device, dtype))  # (n, dim)
         state = self.step(tokens_in, fused, self.cache_len)[-1:]  # (1, dim)
         self.cache_len += len(tokens_in)
         self.pending_tokens, self.pending_features = [], None
+        return state
+
+    @torch.no_grad()
+    def propose(self, k: int):
+        net = self.net
+        if not self.pending_tokens:  # a one-token prompt: no target state to draft from yet
+            return no_tokens()
+        state = self.feed_pending()  # (1, dim)
         tokens, dists = [], []
         for j in range(k):
             logits, head_logit = net.heads(state[-1])
@@ -405,37 +412,17 @@ class Eagle3Draft(HeadCalibration):
         q holds each child's distribution. Early exit skips the children of a node whose
         verification head expects them rejected."""
         sampled = self.temperature > 0
-        net = self.net
-        device, dtype = net.fc.weight.device, net.fc.weight.dtype
         if not self.pending_tokens or n < 1 or depth < 1:
             return torch.tensor([], dtype=torch.long), [], None
-        tokens_in = torch.tensor(self.pending_tokens, dtype=torch.long, device=device)
-        fused = net.fc(self.pending_features.to(device, dtype))  # (n_pending, dim)
-        expand_states = self.step(tokens_in, fused, self.cache_len)[-1:]  # (1, dim): the root's
-        self.cache_len += len(tokens_in)
-        self.pending_tokens, self.pending_features = [], None
-        base, to_target = self.cache_len, net.draft_to_target()
+        expand_states = self.feed_pending()  # (1, dim): the root's
+        base = self.cache_len
         tokens, parents, scores, slots, qs = [], [], [], {}, []  # candidates; draft cache slot of each fed node
         expand = [-1]  # nodes whose children come next (-1: the root)
         state_of = {-1: expand_states[0]}  # a fed node's output: what its children are fed with
         for d in range(min(depth, n)):
-            logits, head_logits = net.heads(expand_states)  # (E, Vd), (E,)
-            if sampled:
-                q_expand = net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (E, V)
-            else:
-                logq = torch.log_softmax(logits.float(), -1)
-                top_logq, top_ids = logq.topk(min(top_k, logq.shape[-1]), -1)  # (E, top_k)
             new = []
-            for e, node in enumerate(expand):
-                if self.early_exit is not None and torch.sigmoid(head_logits[e]).item() < self.early_exit:
-                    continue  # the head expects this node's children rejected: prune the branch
+            for node, children in zip(expand, self.tree_children(expand_states, top_k, lambda: n - len(tokens))):
                 parent_score = scores[node] if node >= 0 else 0.0
-                if sampled:
-                    drawn = draw_without_replacement(q_expand[e], min(top_k, n - len(tokens)), self.generator)
-                    children = [(math.log(q_expand[e, x].item()), x, q_i) for x, q_i, _ in drawn]
-                else:
-                    children = [(lq, int(to_target[i]), None) for lq, i in zip(top_logq[e].tolist(),
-                                                                              top_ids[e].tolist())]
                 for lq, x, q_i in children:
                     new.append(len(tokens))
                     tokens.append(x)
@@ -454,6 +441,27 @@ class Eagle3Draft(HeadCalibration):
         index = {node: j for j, node in enumerate(keep)}
         return (torch.tensor([tokens[i] for i in keep], dtype=torch.long),
                 [index[parents[i]] if parents[i] >= 0 else -1 for i in keep], None)
+
+    def tree_children(self, expand_states, top_k: int, room):
+        """Yields the children of each expanded node in turn (states (E, dim)), as
+        [(log q, token, q or None)]: its top_k tokens, or at T > 0 up to min(top_k, room()) tokens
+        drawn without replacement, room() being the nodes the tree may still take once the
+        earlier nodes' children are in; [] for a node early exit prunes."""
+        logits, head_logits = self.net.heads(expand_states)  # (E, Vd), (E,)
+        if self.temperature > 0:
+            q_expand = self.net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (E, V)
+        else:
+            to_target = self.net.draft_to_target()
+            logq = torch.log_softmax(logits.float(), -1)
+            top_logq, top_ids = logq.topk(min(top_k, logq.shape[-1]), -1)  # (E, top_k)
+        for e in range(len(expand_states)):
+            if self.early_exit is not None and torch.sigmoid(head_logits[e]).item() < self.early_exit:
+                yield []  # the head expects this node's children rejected: prune the branch
+            elif self.temperature > 0:
+                drawn = draw_without_replacement(q_expand[e], min(top_k, room()), self.generator)
+                yield [(math.log(q_expand[e, x].item()), x, q_i) for x, q_i, _ in drawn]
+            else:
+                yield [(lq, int(to_target[i]), None) for lq, i in zip(top_logq[e].tolist(), top_ids[e].tolist())]
 
     def commit(self, new_ids, n_accepted, features=None):
         self.settle_head(n_accepted)
