@@ -370,66 +370,104 @@ def get_args(argv=None):
                + ", ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items())
                + "; on CPU " + ", ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items())
                + " (the committed general draft's recipe). --quick is a 2-step smoke run on 12 prompts.")
-    ap.add_argument("--target", default=DEFAULT_TARGET, help=f"name ({', '.join(HF_REPOS)}) or directory")
-    ap.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"))
-    ap.add_argument("--objective", default="vat", choices=("vat", "baseline"),
-                    help="vat: the parts in --vat-parts; baseline: the plain EAGLE-3/DFlash loss")
-    ap.add_argument("--vat-parts", default=None,
-                    help="with --objective vat, which of VAT's changes to apply (the paper's ablation rows): "
-                         "head (verification head, BCE), weighting (decay restarted at the first rejection "
-                         "k*), ce (soft + hard cross-entropy instead of the draft's native one); default: "
-                         "all three")
-    ap.add_argument("--vat-label", default="greedy", choices=("greedy", "sample"),
-                    help="simulated verification: argmax match, or min(1, p/q) acceptance of a sampled token")
-    ap.add_argument("--beta", type=float, default=1.0, help="weight of the verification-head loss")
-    ap.add_argument("--data", default=",".join(DEFAULT_DATA + ["self"]),
-                    help="comma-separated prompt jsonl files; 'self' adds prompts the target writes (Magpie)")
-    ap.add_argument("--num-prompts", type=int, default=600, help="prompts taken from the files (0: all)")
-    ap.add_argument("--self-prompts", type=int, default=300, help="self-written prompts, with 'self' in --data")
-    ap.add_argument("--max-prompt-tokens", type=int, default=256)
-    ap.add_argument("--response-tokens", type=int, default=160, help="tokens per regenerated response")
-    ap.add_argument("--gen-batch", type=int, default=48, help="prompts per batched target generation")
-    ap.add_argument("--corpus-batches", type=int, default=None,
-                    help="captured features: generate and train on only the first N generation batches "
-                         "(after the held-out prompts; prompts are ordered by length, so the shortest)")
-    ap.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3 reduced draft vocabulary")
-    ap.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 unrolled training-time-test steps K")
-    ap.add_argument("--block-size", type=int, default=16, help="DFlash block size")
-    ap.add_argument("--blocks-per-seq", type=int, default=4, help="DFlash random anchors per sequence")
-    ap.add_argument("--draft-layers", type=int, default=None, help="DFlash layers (default 5, 2 for small targets)")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--time-budget", type=float, default=None, help="stop training after this many minutes")
-    ap.add_argument("--batch-size", type=int, default=None)
-    ap.add_argument("--seq-len", type=int, default=None)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=50, help="linear warm-up steps (0: none)")
-    ap.add_argument("--eval-every", type=int, default=None, help="steps between real-tau evaluations (0: never)")
-    ap.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for real tau")
-    ap.add_argument("--eval-k", type=int, default=7)
-    ap.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
-    ap.add_argument("--keep-every", type=int, default=0,
-                    help="also keep the checkpoints at multiples of this step (0: only the newest two), "
-                         "to measure a learning curve on test prompts afterwards")
-    ap.add_argument("--out", default=None, help="output directory (default runs/<target>-<draft>-<objective>)")
-    ap.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
-    ap.add_argument("--cache-dir", default=str(cache_dir() / "train"), help="where regenerated responses are cached")
-    ap.add_argument("--features", default=None, choices=("captured", "on-the-fly"),
-                    help="captured: keep the target's features and log-probs from response generation on "
-                         "disk (fp16, ~(layers+1)*dim*2 bytes a token; training never runs the target); "
-                         "on-the-fly: a target forward every step (for large targets)")
-    ap.add_argument("--prepare-only", action="store_true", help="build (and cache) the data, then stop")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 12 prompts, 2 steps")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=default_device())
-    ap.add_argument("--learning-curves", default=None, metavar="FILE",
-                    help="train nothing: write the learning curves of the finished runs in --runs to FILE (JSON)")
-    ap.add_argument("--runs", nargs="+", default=[], metavar="DIR", help="--out directories, for --learning-curves")
-    ap.add_argument("--export", nargs=2, default=None, metavar=("CHECKPOINT", "DIR"),
-                    help="train nothing: write a run's checkpoint (e.g. runs/NAME/checkpoint) as a draft to ship "
-                         "in DIR: bf16, the released layout, without the optimizer state")
-    ap.add_argument("--early-exit-threshold", type=float, default=None,
-                    help="with --export, the threshold a bare decode.py --early-exit takes from the draft")
-    args = ap.parse_args(argv)
+    for add in (add_objective_args, add_data_args, add_architecture_args, add_schedule_args, add_output_args,
+                add_other_modes):
+        add(ap)
+    return complete_args(ap, ap.parse_args(argv))
+
+
+def add_objective_args(ap):
+    """What is trained, for which target, with which loss."""
+    g = ap.add_argument_group("target, draft and objective")
+    g.add_argument("--target", default=DEFAULT_TARGET, help=f"name ({', '.join(HF_REPOS)}) or directory")
+    g.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"))
+    g.add_argument("--objective", default="vat", choices=("vat", "baseline"),
+                   help="vat: the parts in --vat-parts; baseline: the plain EAGLE-3/DFlash loss")
+    g.add_argument("--vat-parts", default=None,
+                   help="with --objective vat, which of VAT's changes to apply (the paper's ablation rows): "
+                        "head (verification head, BCE), weighting (decay restarted at the first rejection "
+                        "k*), ce (soft + hard cross-entropy instead of the draft's native one); default: "
+                        "all three")
+    g.add_argument("--vat-label", default="greedy", choices=("greedy", "sample"),
+                   help="simulated verification: argmax match, or min(1, p/q) acceptance of a sampled token")
+    g.add_argument("--beta", type=float, default=1.0, help="weight of the verification-head loss")
+
+
+def add_data_args(ap):
+    """The prompts and the target's regenerated responses to them."""
+    g = ap.add_argument_group("training data")
+    g.add_argument("--data", default=",".join(DEFAULT_DATA + ["self"]),
+                   help="comma-separated prompt jsonl files; 'self' adds prompts the target writes (Magpie)")
+    g.add_argument("--num-prompts", type=int, default=600, help="prompts taken from the files (0: all)")
+    g.add_argument("--self-prompts", type=int, default=300, help="self-written prompts, with 'self' in --data")
+    g.add_argument("--max-prompt-tokens", type=int, default=256)
+    g.add_argument("--response-tokens", type=int, default=160, help="tokens per regenerated response")
+    g.add_argument("--gen-batch", type=int, default=48, help="prompts per batched target generation")
+    g.add_argument("--corpus-batches", type=int, default=None,
+                   help="captured features: generate and train on only the first N generation batches "
+                        "(after the held-out prompts; prompts are ordered by length, so the shortest)")
+
+
+def add_architecture_args(ap):
+    """The draft network's shape (EAGLE-3 or DFlash)."""
+    g = ap.add_argument_group("draft architecture")
+    g.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3 reduced draft vocabulary")
+    g.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 unrolled training-time-test steps K")
+    g.add_argument("--block-size", type=int, default=16, help="DFlash block size")
+    g.add_argument("--blocks-per-seq", type=int, default=4, help="DFlash random anchors per sequence")
+    g.add_argument("--draft-layers", type=int, default=None, help="DFlash layers (default 5, 2 for small targets)")
+
+
+def add_schedule_args(ap):
+    """Steps, batches, learning rate, real-tau evaluations and checkpoints."""
+    g = ap.add_argument_group("schedule and evaluation")
+    g.add_argument("--steps", type=int, default=None)
+    g.add_argument("--time-budget", type=float, default=None, help="stop training after this many minutes")
+    g.add_argument("--batch-size", type=int, default=None)
+    g.add_argument("--seq-len", type=int, default=None)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=int, default=50, help="linear warm-up steps (0: none)")
+    g.add_argument("--eval-every", type=int, default=None, help="steps between real-tau evaluations (0: never)")
+    g.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for real tau")
+    g.add_argument("--eval-k", type=int, default=7)
+    g.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
+    g.add_argument("--keep-every", type=int, default=0,
+                   help="also keep the checkpoints at multiples of this step (0: only the newest two), "
+                        "to measure a learning curve on test prompts afterwards")
+
+
+def add_output_args(ap):
+    """Where the run, its cache and its features live, and on what it runs."""
+    g = ap.add_argument_group("output and machine")
+    g.add_argument("--out", default=None, help="output directory (default runs/<target>-<draft>-<objective>)")
+    g.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
+    g.add_argument("--cache-dir", default=str(cache_dir() / "train"), help="where regenerated responses are cached")
+    g.add_argument("--features", default=None, choices=("captured", "on-the-fly"),
+                   help="captured: keep the target's features and log-probs from response generation on "
+                        "disk (fp16, ~(layers+1)*dim*2 bytes a token; training never runs the target); "
+                        "on-the-fly: a target forward every step (for large targets)")
+    g.add_argument("--prepare-only", action="store_true", help="build (and cache) the data, then stop")
+    g.add_argument("--quick", action="store_true", help="smoke run: 12 prompts, 2 steps")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default=default_device())
+
+
+def add_other_modes(ap):
+    """Learning curves of finished runs, and exporting a checkpoint as a draft."""
+    g = ap.add_argument_group("other modes (train nothing)")
+    g.add_argument("--learning-curves", default=None, metavar="FILE",
+                   help="train nothing: write the learning curves of the finished runs in --runs to FILE (JSON)")
+    g.add_argument("--runs", nargs="+", default=[], metavar="DIR", help="--out directories, for --learning-curves")
+    g.add_argument("--export", nargs=2, default=None, metavar=("CHECKPOINT", "DIR"),
+                   help="train nothing: write a run's checkpoint (e.g. runs/NAME/checkpoint) as a draft to ship "
+                        "in DIR: bf16, the released layout, without the optimizer state")
+    g.add_argument("--early-exit-threshold", type=float, default=None,
+                   help="with --export, the threshold a bare decode.py --early-exit takes from the draft")
+
+
+def complete_args(ap, args):
+    """The other modes' checks, then --quick's and the machine's defaults, the settings' checks
+    and --out's."""
     if args.learning_curves or args.runs:
         if not (args.learning_curves and args.runs):
             ap.error("--learning-curves FILE and --runs DIR [DIR ...] go together")
