@@ -627,67 +627,99 @@ def plots(summary, out_dir: Path, stem: str) -> list:
 def get_args(argv=None):
     ap = argparse.ArgumentParser(description="Speculative decoding benchmark: speed, side by side.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--target", default=DEFAULT_TARGET,
-                    help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
-    committed = DEFAULT_DRAFTS.get(DEFAULT_TARGET)
-    default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
-    ap.add_argument("--drafts", default=default_drafts,
-                    help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds early "
-                         "exit at the draft's recorded threshold (as a bare decode.py --early-exit), @ee0.2 a "
-                         "threshold of your own; @tree16 trees of 16 tokens (decode.py --tree 16, depth -k); "
-                         "then @adapt the adaptive draft length (decode.py --adaptive)")
-    ap.add_argument("--verifiers", default="greedy,lossless",
-                    help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
-                         "lossless (the same rule there) is left out if greedy is in")
-    ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
-    ap.add_argument("--paired", action="append", default=[], metavar="A,B",
-                    help="two of --drafts: their tau and speed ratio, A over B, with 95%% paired bootstrap "
-                         "intervals over the prompts (e.g. a VAT draft against its baseline-objective twin); "
-                         "repeat it for more pairs")
-    ap.add_argument("-k", "--num-draft-tokens", type=int, default=7, help="tokens drafted per target forward")
-    ap.add_argument("--prompt-file", default="data/spec_bench_questions.jsonl",
-                    help="Spec-Bench-style jsonl (or any supported jsonl)")
-    ap.add_argument("--categories", default=None,
-                    help="comma-separated Spec-Bench categories; all when omitted")
-    ap.add_argument("--limit", type=int, default=3, help="prompts per category")
-    ap.add_argument("--from-end", action="store_true",
-                    help="take each category's last --limit prompts, not its first (report.py's GSM8K test "
-                         "questions are the file's last)")
-    ap.add_argument("--max-new-tokens", type=int, default=128,
-                    help="new tokens per speed-run prompt, at most")
-    ap.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
-    ap.add_argument("--peers", action="store_true",
-                    help="also run transformers' generate and assisted lookup")
-    ap.add_argument("--speed-off", action="store_true", help="skip the speed runs")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
-                    help="the target's weights, as decode.py's --dtype (auto: the layout timed fastest on this "
-                         "CPU for k+1-token forwards, bfloat16 on CUDA)")
-    ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                    help="torch.compile the target's decode step as decode.py does; auto = on for CUDA only")
-    ap.add_argument("--decode-table", default="auto",
-                    help=f"comma-separated shapes from {','.join(SHAPES)} timed with random weights against "
-                         "the memory-bandwidth floor; auto = qwen3-4b,llama-3.1-8b on CUDA, none on CPU; "
-                         "'none' skips")
-    ap.add_argument("--decode-table-compile", default="auto", choices=("auto", "both", "off"),
-                    help="time torch.compile'd steps (CUDA graphs on CUDA, weight freezing on CPU) next to "
-                         "eager ones; auto = both on CUDA, eager only on CPU (a compile per query "
-                         "length costs time there)")
-    ap.add_argument("--weights-quality", type=int, default=0, metavar="N",
-                    help="compare the int8, bf16 and int4 targets with fp32 on N held-out GSM8K texts: top-1 "
-                         "agreement and perplexity (CPU)")
-    ap.add_argument("--profile-step", action="store_true",
-                    help="profile a one-token and a k+1-token forward of the target in its layout: time in "
-                         "matmuls, attention and everything else, with call counts (what is left to cut)")
-    ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
-    ap.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
-    ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
-    ap.add_argument("--threads", default="auto",
-                    help="CPU threads, as decode.py's; the results record the number used. For timings, "
-                         "run with nothing else busy: auto then uses every core")
-    ap.add_argument("--out", default=None, help="JSON results path; results/bench-<time>.json when omitted")
+    for add in (add_run_args, add_prompt_args, add_peer_args, add_weights_args, add_table_args, add_machine_args):
+        add(ap)
     args = ap.parse_args(argv)
     check_and_complete(ap, args)
     return args
+
+
+def add_run_args(ap):
+    """What is benchmarked: every draft under every verifier and temperature."""
+    g = ap.add_argument_group("target, drafts, verifiers and pairs")
+    g.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
+    committed = DEFAULT_DRAFTS.get(DEFAULT_TARGET)
+    default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
+    g.add_argument("--drafts", default=default_drafts,
+                   help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds early "
+                        "exit at the draft's recorded threshold (as a bare decode.py --early-exit), @ee0.2 a "
+                        "threshold of your own; @tree16 trees of 16 tokens (decode.py --tree 16, depth -k); "
+                        "then @adapt the adaptive draft length (decode.py --adaptive)")
+    g.add_argument("--verifiers", default="greedy,lossless",
+                   help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
+                        "lossless (the same rule there) is left out if greedy is in")
+    g.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
+    g.add_argument("--paired", action="append", default=[], metavar="A,B",
+                   help="two of --drafts: their tau and speed ratio, A over B, with 95%% paired bootstrap "
+                        "intervals over the prompts (e.g. a VAT draft against its baseline-objective twin); "
+                        "repeat it for more pairs")
+    g.add_argument("-k", "--num-draft-tokens", type=int, default=7, help="tokens drafted per target forward")
+
+
+def add_prompt_args(ap):
+    """Which prompts the speed runs decode, and how much of each."""
+    g = ap.add_argument_group("prompts")
+    g.add_argument("--prompt-file", default="data/spec_bench_questions.jsonl",
+                   help="Spec-Bench-style jsonl (or any supported jsonl)")
+    g.add_argument("--categories", default=None,
+                   help="comma-separated Spec-Bench categories; all when omitted")
+    g.add_argument("--limit", type=int, default=3, help="prompts per category")
+    g.add_argument("--from-end", action="store_true",
+                   help="take each category's last --limit prompts, not its first (report.py's GSM8K test "
+                        "questions are the file's last)")
+    g.add_argument("--max-new-tokens", type=int, default=128,
+                   help="new tokens per speed-run prompt, at most")
+    g.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
+
+
+def add_peer_args(ap):
+    """transformers' generation beside ours, or no speed runs at all."""
+    g = ap.add_argument_group("peers and speed runs")
+    g.add_argument("--peers", action="store_true",
+                   help="also run transformers' generate and assisted lookup")
+    g.add_argument("--speed-off", action="store_true", help="skip the speed runs")
+
+
+def add_weights_args(ap):
+    """The target's layout and compilation, as decode.py's."""
+    g = ap.add_argument_group("target weights")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
+                   help="the target's weights, as decode.py's --dtype (auto: the layout timed fastest on this "
+                        "CPU for k+1-token forwards, bfloat16 on CUDA)")
+    g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                   help="torch.compile the target's decode step as decode.py does; auto = on for CUDA only")
+
+
+def add_table_args(ap):
+    """Measurements beside the speed runs."""
+    g = ap.add_argument_group("decode table, weights quality and step profile")
+    g.add_argument("--decode-table", default="auto",
+                   help=f"comma-separated shapes from {','.join(SHAPES)} timed with random weights against "
+                        "the memory-bandwidth floor; auto = qwen3-4b,llama-3.1-8b on CUDA, none on CPU; "
+                        "'none' skips")
+    g.add_argument("--decode-table-compile", default="auto", choices=("auto", "both", "off"),
+                   help="time torch.compile'd steps (CUDA graphs on CUDA, weight freezing on CPU) next to "
+                        "eager ones; auto = both on CUDA, eager only on CPU (a compile per query "
+                        "length costs time there)")
+    g.add_argument("--weights-quality", type=int, default=0, metavar="N",
+                   help="compare the int8, bf16 and int4 targets with fp32 on N held-out GSM8K texts: top-1 "
+                        "agreement and perplexity (CPU)")
+    g.add_argument("--profile-step", action="store_true",
+                   help="profile a one-token and a k+1-token forward of the target in its layout: time in "
+                        "matmuls, attention and everything else, with call counts (what is left to cut)")
+
+
+def add_machine_args(ap):
+    """The smoke test, seeds, device, threads and where the results go."""
+    g = ap.add_argument_group("machine and output")
+    g.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
+    g.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
+    g.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--threads", default="auto",
+                   help="CPU threads, as decode.py's; the results record the number used. For timings, "
+                        "run with nothing else busy: auto then uses every core")
+    g.add_argument("--out", default=None, help="JSON results path; results/bench-<time>.json when omitted")
 
 
 def check_and_complete(ap, args):

@@ -284,84 +284,106 @@ def check_prompt(text, where: str) -> str:
 def get_args(argv=None):
     ap = argparse.ArgumentParser(description="Plain and speculative decoding with a verifier of your choice.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--target", default=DEFAULT_TARGET,
-                    help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
-    ap.add_argument("--draft", default=None,
-                    help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, "
-                         "a model name/directory sharing the target's tokenizer, or lookup+ONE OF THOSE (a "
-                         "hybrid: prompt lookup where a 2-3 token match exists, the draft elsewhere). "
-                         "Default: prompt lookup (greedy verification at T = 0, lossless at T > 0: exact "
-                         "either way); with a lossy --verifier, the "
-                         "committed EAGLE-3 draft for smollm2-135m (those verifiers mix the draft's "
-                         "distribution into the target's), else lookup")
-    ap.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
-                    help="'none' is plain autoregressive decoding (sampling at T > 0); default: greedy at "
-                         "T = 0, lossless at T > 0")
-    ap.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="tokens drafted per step")
-    ap.add_argument("--early-exit", nargs="?", const="auto", default=None,
-                    type=lambda v: v if v == "auto" else float(v),
-                    help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls "
-                         f"below this (bare flag: the threshold the draft's config records, else "
-                         f"{EARLY_EXIT_DEFAULT}; the VAT paper uses 0.5 for EAGLE-3 and 0.6 for DFlash, which "
-                         f"suit drafts with a confident head)")
-    ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                    help="set each step's draft length from recent acceptance (+2 after a block kept "
-                         "whole, the kept length + 1 after a rejection) and pause drafting after blocks that "
-                         "keep nothing. Default: on with the default prompt-lookup draft (where a verification "
-                         "block costs several one-token steps, as in int4, drafting k tokens on every miss "
-                         "costs more than lookup's hits return), off otherwise")
-    ap.add_argument("--tree", type=int, default=0, metavar="N",
-                    help="draft a tree of at most N tokens (depth at most -k) and verify all its branches in "
-                         "one forward, instead of a chain of k: EAGLE-2's dynamic tree for EAGLE-3 drafts, "
-                         "several matches for prompt lookup, a chain for the others. 0 (default): chains "
-                         "(README: what a tree buys on a CPU)")
-    ap.add_argument("--show", action="store_true",
-                    help="colour each token by where it came from: a draft token the verifier kept (by its "
-                         "position in the block) or the target's own; plain text when stdout is not a terminal")
-    ap.add_argument("--p-base", type=float, default=0.1, help="minp: keep x iff p(x) >= p_base * max p")
-    ap.add_argument("--eps", type=float, default=3e-4,
-                    help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p))); 3e-4 is eta-sampling's "
-                         "setting, 0.09 Medusa's typical acceptance")
-    ap.add_argument("--delta", type=float, default=None, help="eta: default sqrt(eps), as eta-sampling")
-    ap.add_argument("--lam", type=float, default=0.5,
-                    help="cos / overshoot: weight of p in lam*p + (1-lam)*q")
-    ap.add_argument("--lenience", type=float, default=0.5, help="lenience: accept with min(1, p/(l*q))")
-    ap.add_argument("--ceiling", type=float, default=2.0,
-                    help="overshoot: an overshot token gets at most c*p(x)")
-    ap.add_argument("--prompt", default=None, help="the user message (default: a short demo question)")
-    ap.add_argument("--prompt-file", default=None,
-                    help="a text file (one prompt) or jsonl (Spec-Bench, ShareGPT, Alpaca, GSM8K records)")
-    ap.add_argument("--system", default=None, help="system message (default: the model's own, if any)")
-    ap.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=200)
-    ap.add_argument("--temperature", type=float, default=None,
-                    help="0 is greedy; default 0, or 1 with a lossy verifier (at 0 every verifier keeps "
-                         "exactly the target's argmax, so a lossy one would change nothing)")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (capped by the model's)")
-    ap.add_argument("--device", default=default_device())
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
-                    help="the target's weights. auto (default): on a CPU, the layout timed fastest on this CPU "
-                         "for the forwards about to run (fp32 or bf16, oneDNN-packed or not; int4 where the "
-                         "weights are 4-bit at their source, as the embedded default's are), timed once and "
-                         "remembered per CPU; bfloat16 on CUDA. int8 and int4 (CPU) read fewer bytes a step "
-                         "and change the model a little (README: their cost in quality); greedy speculative "
-                         "decoding reproduces plain decoding of whichever model runs, bit for bit")
-    ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                    help="torch.compile the decode step (on CPU with weight freezing); auto = on for CUDA, off "
-                         "for CPU, where inductor cannot compile the packed weights and each block length "
-                         "costs a compile")
-    ap.add_argument("--no-pack", dest="pack", action="store_false",
-                    help="with --dtype float32 or bfloat16 on CPU, keep nn.Linear weights as they are instead "
-                         "of oneDNN's packed layout (--dtype auto times both)")
-    ap.add_argument("--threads", default="auto",
-                    help="CPU threads; auto = one per core that is idle when decoding starts (a thread on a "
-                         "core another process keeps busy stalls the others)")
-    ap.add_argument("--json", action="store_true", help="end with one JSON line of results per prompt")
+    for add in (add_speculation_args, add_lossy_args, add_prompt_args, add_machine_args):
+        add(ap)
     args = ap.parse_args(argv)
     check_and_complete(ap, args)
     return args
+
+
+def add_speculation_args(ap):
+    """What decodes: the target, the draft, the verifier and how much is drafted."""
+    g = ap.add_argument_group("target, draft and verifier")
+    g.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
+    g.add_argument("--draft", default=None,
+                   help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, "
+                        "a model name/directory sharing the target's tokenizer, or lookup+ONE OF THOSE (a "
+                        "hybrid: prompt lookup where a 2-3 token match exists, the draft elsewhere). "
+                        "Default: prompt lookup (greedy verification at T = 0, lossless at T > 0: exact "
+                        "either way); with a lossy --verifier, the "
+                        "committed EAGLE-3 draft for smollm2-135m (those verifiers mix the draft's "
+                        "distribution into the target's), else lookup")
+    g.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
+                   help="'none' is plain autoregressive decoding (sampling at T > 0); default: greedy at "
+                        "T = 0, lossless at T > 0")
+    g.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="tokens drafted per step")
+    g.add_argument("--early-exit", nargs="?", const="auto", default=None,
+                   type=lambda v: v if v == "auto" else float(v),
+                   help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls "
+                        f"below this (bare flag: the threshold the draft's config records, else "
+                        f"{EARLY_EXIT_DEFAULT}; the VAT paper uses 0.5 for EAGLE-3 and 0.6 for DFlash, which "
+                        f"suit drafts with a confident head)")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="set each step's draft length from recent acceptance (+2 after a block kept "
+                        "whole, the kept length + 1 after a rejection) and pause drafting after blocks that "
+                        "keep nothing. Default: on with the default prompt-lookup draft (where a verification "
+                        "block costs several one-token steps, as in int4, drafting k tokens on every miss "
+                        "costs more than lookup's hits return), off otherwise")
+    g.add_argument("--tree", type=int, default=0, metavar="N",
+                   help="draft a tree of at most N tokens (depth at most -k) and verify all its branches in "
+                        "one forward, instead of a chain of k: EAGLE-2's dynamic tree for EAGLE-3 drafts, "
+                        "several matches for prompt lookup, a chain for the others. 0 (default): chains "
+                        "(README: what a tree buys on a CPU)")
+    g.add_argument("--show", action="store_true",
+                   help="colour each token by where it came from: a draft token the verifier kept (by its "
+                        "position in the block) or the target's own; plain text when stdout is not a terminal")
+
+
+def add_lossy_args(ap):
+    """The parameters of verify.py's lossy verifiers."""
+    g = ap.add_argument_group("lossy verifiers' parameters")
+    g.add_argument("--p-base", type=float, default=0.1, help="minp: keep x iff p(x) >= p_base * max p")
+    g.add_argument("--eps", type=float, default=3e-4,
+                   help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p))); 3e-4 is eta-sampling's "
+                        "setting, 0.09 Medusa's typical acceptance")
+    g.add_argument("--delta", type=float, default=None, help="eta: default sqrt(eps), as eta-sampling")
+    g.add_argument("--lam", type=float, default=0.5,
+                   help="cos / overshoot: weight of p in lam*p + (1-lam)*q")
+    g.add_argument("--lenience", type=float, default=0.5, help="lenience: accept with min(1, p/(l*q))")
+    g.add_argument("--ceiling", type=float, default=2.0,
+                   help="overshoot: an overshot token gets at most c*p(x)")
+
+
+def add_prompt_args(ap):
+    """What is asked, and how the answer is sampled."""
+    g = ap.add_argument_group("prompt and sampling")
+    g.add_argument("--prompt", default=None, help="the user message (default: a short demo question)")
+    g.add_argument("--prompt-file", default=None,
+                   help="a text file (one prompt) or jsonl (Spec-Bench, ShareGPT, Alpaca, GSM8K records)")
+    g.add_argument("--system", default=None, help="system message (default: the model's own, if any)")
+    g.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy; default 0, or 1 with a lossy verifier (at 0 every verifier keeps "
+                        "exactly the target's argmax, so a lossy one would change nothing)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_machine_args(ap):
+    """How the target's weights are laid out and on what they run, and the output format."""
+    g = ap.add_argument_group("weights and machine")
+    g.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (capped by the model's)")
+    g.add_argument("--device", default=default_device())
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
+                   help="the target's weights. auto (default): on a CPU, the layout timed fastest on this CPU "
+                        "for the forwards about to run (fp32 or bf16, oneDNN-packed or not; int4 where the "
+                        "weights are 4-bit at their source, as the embedded default's are), timed once and "
+                        "remembered per CPU; bfloat16 on CUDA. int8 and int4 (CPU) read fewer bytes a step "
+                        "and change the model a little (README: their cost in quality); greedy speculative "
+                        "decoding reproduces plain decoding of whichever model runs, bit for bit")
+    g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                   help="torch.compile the decode step (on CPU with weight freezing); auto = on for CUDA, off "
+                        "for CPU, where inductor cannot compile the packed weights and each block length "
+                        "costs a compile")
+    g.add_argument("--no-pack", dest="pack", action="store_false",
+                   help="with --dtype float32 or bfloat16 on CPU, keep nn.Linear weights as they are instead "
+                        "of oneDNN's packed layout (--dtype auto times both)")
+    g.add_argument("--threads", default="auto",
+                   help="CPU threads; auto = one per core that is idle when decoding starts (a thread on a "
+                        "core another process keeps busy stalls the others)")
+    g.add_argument("--json", action="store_true", help="end with one JSON line of results per prompt")
 
 
 def check_temperature(value: float, flag: str = "--temperature") -> str | None:
