@@ -848,6 +848,23 @@ def print_report(args, summary: dict, table: list):
                   f"{100 * r['fraction_of_floor']:.0f}% | {costs} |")
 
 
+def print_measurements(layout, paired: dict, profiled: dict, quality: dict):
+    """The paired ratios, the step profile (of the target in `layout`) and the weights' quality, after
+    the speed table."""
+    for name, r in paired.items():
+        print(f"\n{name} on {r['prompts']} prompts: tau ratio {r['tau']['ratio']:.3f} (95% CI "
+              f"{r['tau']['ci95'][0]:.3f}-{r['tau']['ci95'][1]:.3f}; detects {r['tau']['detectable_ratio']:.3f}), "
+              f"tokens/s ratio {r['tokens_per_s']['ratio']:.3f} "
+              f"({r['tokens_per_s']['ci95'][0]:.3f}-{r['tokens_per_s']['ci95'][1]:.3f})")
+    for n, r in profiled.items():
+        print(f"\n{layout} forward of {n} token{'s' if n > 1 else ''}, profiled: {r['profiled_ms']:.1f} ms = "
+              f"matmuls {r['matmul_ms']:.1f} ms ({r['matmul_calls']} calls) + attention {r['attention_ms']:.1f} ms "
+              f"({r['attention_calls']}) + other ops {r['other_ms']:.1f} ms ({r['other_calls']})")
+    for weights, q in quality.items():
+        print(f"\n{weights} against fp32 on {q['tokens']} tokens of held-out text: top-1 agreement "
+              f"{q['top1_agreement']:.3f}, perplexity {q['perplexity_fp32']:.3f} -> {q['perplexity']:.3f}")
+
+
 def main(argv=None):
     args = get_args(argv)
     if args.device == "cpu":
@@ -873,18 +890,7 @@ def main(argv=None):
                                verify_k=sorted({3, 5, 7, 15, 31, args.num_draft_tokens})) if args.decode_table else []
     quality = weights_quality(args.target, args.weights_quality) if args.weights_quality else {}
     print_report(args, summary, table)
-    for name, r in paired.items():
-        print(f"\n{name} on {r['prompts']} prompts: tau ratio {r['tau']['ratio']:.3f} (95% CI "
-              f"{r['tau']['ci95'][0]:.3f}-{r['tau']['ci95'][1]:.3f}; detects {r['tau']['detectable_ratio']:.3f}), "
-              f"tokens/s ratio {r['tokens_per_s']['ratio']:.3f} "
-              f"({r['tokens_per_s']['ci95'][0]:.3f}-{r['tokens_per_s']['ci95'][1]:.3f})")
-    for n, r in profiled.items():
-        print(f"\n{args.layout} forward of {n} token{'s' if n > 1 else ''}, profiled: {r['profiled_ms']:.1f} ms = "
-              f"matmuls {r['matmul_ms']:.1f} ms ({r['matmul_calls']} calls) + attention {r['attention_ms']:.1f} ms "
-              f"({r['attention_calls']}) + other ops {r['other_ms']:.1f} ms ({r['other_calls']})")
-    for weights, q in quality.items():
-        print(f"\n{weights} against fp32 on {q['tokens']} tokens of held-out text: top-1 agreement "
-              f"{q['top1_agreement']:.3f}, perplexity {q['perplexity_fp32']:.3f} -> {q['perplexity']:.3f}")
+    print_measurements(args.layout if profiled else None, paired, profiled, quality)
 
     out = args.out
     try:
