@@ -87,6 +87,13 @@ def smollm2_dir():
     return CK.resolve_model("smollm2-135m")
 
 
+@pytest.fixture(scope="session")
+def default_int4(smollm2_dir):
+    """(target, tokenizer): the default target in int4, loaded once for the tests that decode with it
+    (each generate() call writes its sequence's cache from position 0, so they can share it)."""
+    return CK.load_target(str(smollm2_dir), "cpu", "int4", 512)
+
+
 @pytest.fixture
 def decode_failure(monkeypatch, capsys):
     """decode.py's main in this process, on input it must refuse (a fresh process per case would

@@ -147,14 +147,15 @@ def test_default_target_prompt_lookup(smollm2_dir):
 
 
 @pytest.mark.parametrize("layout", ["int8", "bfloat16-packed", "int4"])
-def test_default_target_in_coarse_layouts_decodes_exactly_like_itself(smollm2_dir, layout):
+def test_default_target_in_coarse_layouts_decodes_exactly_like_itself(smollm2_dir, layout, request):
     """The default target in int8, bf16 and int4: greedy lookup speculation reproduces its own plain
     decoding bit for bit (verification blocks attend row by row, and the matmuls are exact per row;
     with blocks attending at once, bf16 parted from plain decoding on 8 of 13 Spec-Bench questions).
     bf16's matmuls are the CPU's: where they are not exact per row, auto never verifies in bf16."""
     from checkpoints import blocks_match_steps, load_target
     from tokenizer import load_tokenizer
-    target, tokenizer = load_target(str(smollm2_dir), "cpu", layout, 512)
+    target, tokenizer = request.getfixturevalue("default_int4") if layout == "int4" else \
+        load_target(str(smollm2_dir), "cpu", layout, 512)
     if layout.startswith("bfloat16") and not blocks_match_steps(target, 8):
         pytest.skip("this CPU's bf16 kernels give a row other bits in a block (checkpoints.EXACT_LAYOUTS)")
     ids = tokenizer.encode_chat([{"role": "user", "content": "Repeat the following list exactly, one item per "

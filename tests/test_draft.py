@@ -334,11 +334,10 @@ def test_every_committed_draft_loads_for_the_default_target_and_stays_small(smol
     assert kinds == {"eagle3", "dflash"}
 
 
-def test_committed_dflash_draft_decodes_the_default_target_exactly(smollm2_dir):
+def test_committed_dflash_draft_decodes_the_default_target_exactly(default_int4):
     """The committed GSM8K DFlash draft, with and without early exit, emits plain greedy decoding's
     tokens on the int4 default target (bf16 and int4 verify row by row: exact by construction)."""
-    from checkpoints import load_target
-    target, tokenizer = load_target(str(smollm2_dir), "cpu", "int4", 512)
+    target, tokenizer = default_int4
     ids = tokenizer.encode_chat([{"role": "user", "content": "A baker makes 24 rolls and sells 3 bags of 5 "
                                   "rolls. How many rolls are left?"}])
     plain = generate(target, ids, max_new_tokens=64, stop_ids=tokenizer.stop_ids)

@@ -265,10 +265,9 @@ def test_lossy_tree_decoding_emits_its_closed_form(models, v):
 # -----------------------------------------------------------------------------
 # The real default target, the command line and the benchmark
 
-def test_default_target_tree_decoding_is_its_plain_decoding(smollm2_dir):
+def test_default_target_tree_decoding_is_its_plain_decoding(default_int4):
     """SmolLM2 in int4 (verification row by row): lookup and EAGLE-3 trees give plain decoding's tokens."""
-    from checkpoints import load_target
-    target, tokenizer = load_target(str(smollm2_dir), "cpu", "int4", 512)
+    target, tokenizer = default_int4
     ids = tokenizer.encode_chat([{"role": "user", "content": "Repeat the following list exactly, one item per "
                                   "line: apples, bananas, cherries, dates, elderberries, figs, grapes."}])
     plain = generate(target, ids, max_new_tokens=48, stop_ids=tokenizer.stop_ids)
