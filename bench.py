@@ -769,6 +769,8 @@ def check_and_complete(ap, args):
     problem = unwritable(args.out)
     if problem:
         ap.error(f"cannot write --out {args.out}: {problem}")
+
+
 def machine_stamp(device: str) -> dict:
     """What a result was measured on: which CPU (model and the features that decide the fastest
     weight layout), how many cores and threads, which torch and which commit, and when."""

@@ -104,19 +104,17 @@ def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, com
         + 2 * (norms + head)
 
 
-def run_bench(*argv, timeout=120):
-    return subprocess.run([sys.executable, str(ROOT / "bench.py"), *argv], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-
-
-def test_unwritable_out_fails_before_any_work(tmp_path):
+def test_unwritable_out_fails_before_any_work(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    for out in (blocker / "results.json", tmp_path):  # a folder under a file; a directory
-        r = run_bench("--quick", "--drafts", "lookup", "--out", str(out))
-        assert r.returncode == 2 and "cannot write --out" in r.stderr and "speed runs" not in r.stderr, r.stderr
-    r = run_bench("--quick", "--prompt-file", str(tmp_path / "missing.jsonl"))
-    assert r.returncode == 2 and "prompt file not found" in r.stderr
+    refusals = [(["--drafts", "lookup", "--out", str(blocker / "results.json")], "cannot write --out"),  # under a file
+                (["--drafts", "lookup", "--out", str(tmp_path)], "cannot write --out"),  # a directory
+                (["--prompt-file", str(tmp_path / "missing.jsonl")], "prompt file not found")]
+    for argv, message in refusals:  # main in this process: a refusal must come before anything loads
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--quick", *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err.strip().splitlines()[-1] and "speed runs" not in err, err
 
 
 def test_results_survive_a_failing_write(tmp_path, monkeypatch, capsys):
