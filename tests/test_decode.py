@@ -120,22 +120,23 @@ def test_stop_token_inside_a_block_and_exact_budget(tiny):
             assert out["tokens"] == plain[:budget]
 
 
-def test_default_target_prompt_lookup(smollm2_dir):
-    """On SmolLM2, prompt lookup + greedy verification gives plain decoding's text, with tau > 1.
-    (One layout for both runs: by default each run would take the layout timed fastest for its own
-    forwards, and two layouts are two models.)"""
+def test_default_target_prompt_lookup(default_int4):
+    """On SmolLM2, decode.py's default (prompt lookup + greedy verification at T = 0) from the command
+    line gives plain decoding's tokens, with tau > 1, and says what it did. Plain decoding runs in this
+    process on the session's int4 target (one layout for both: by default each run would take the
+    layout timed fastest for its own forwards, and two layouts are two models)."""
+    import decode
+    target, tokenizer = default_int4
     prompt = ("Repeat the following list exactly, one item per line: apples, bananas, cherries, dates, "
               "elderberries, figs, grapes.")
-    r = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--prompt", prompt, "--max-new-tokens", "48",
-                        "--json", "--verifier", "none", "--dtype", "int4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     s = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--prompt", prompt, "--max-new-tokens", "48",
-                        "--json", "-k", "6", "--dtype", "int4"],  # the default: prompt lookup with greedy verification at T = 0
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0 and s.returncode == 0, r.stderr + s.stderr
-    plain, spec = json.loads(r.stdout.splitlines()[-1]), json.loads(s.stdout.splitlines()[-1])
-    assert spec["text"] == plain["text"] and spec["tokens"] == plain["tokens"]
-    assert plain["tau"] == 1.0 and spec["tau"] > 1.0
-    assert spec["target_forwards"] < plain["target_forwards"]
+                        "--json", "-k", "6", "--dtype", "int4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert s.returncode == 0, s.stderr
+    spec = json.loads(s.stdout.splitlines()[-1])
+    plain = generate(target, tokenizer.encode_chat([{"role": "user", "content": prompt}]), max_new_tokens=48,
+                     stop_ids=tokenizer.stop_ids)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["tau"] > 1.0 and spec["target_forwards"] < plain["target_forwards"]
     assert spec["text"] in s.stdout  # the streamed text is the final text
     assert (spec["draft"], spec["verifier"], spec["temperature"]) == ("lookup", "greedy", 0.0)
     # every answer ends with what speculation did, on stderr
@@ -143,7 +144,11 @@ def test_default_target_prompt_lookup(smollm2_dir):
     assert summary.startswith("[lookup draft, greedy verifier, k=6, T=0, int4 weights]")
     assert f"{spec['new_tokens']} tokens" in summary and f"tau {spec['tau']:.2f}" in summary
     assert f"{spec['target_forwards']} target forwards" in summary and f"{spec['drafted_tokens']} drafted" in summary
-    assert r.stderr.strip().splitlines()[-1].startswith(f"[plain decoding, T=0, int4 weights] {plain['new_tokens']} tokens")
+    args = decode.get_args(["--verifier", "none", "--dtype", "int4"])
+    args.layout = "int4"
+    plain_line = decode.summary_line({**plain, "tokens_per_s": 20.0}, args, speculative=False)
+    assert plain_line.startswith(f"[plain decoding, T=0, int4 weights] {plain['new_tokens']} tokens at 20.0 tok/s")
+
 
 
 # int8 is opt-in and its exactness is also enumerated on the tiny models (tests/test_emits.py): its
