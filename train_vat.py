@@ -526,8 +526,10 @@ def check_settings(ap, args):
         ap.error(problem)
     if args.objective == "baseline" and args.vat_parts is not None:
         ap.error("--vat-parts applies to --objective vat")
-    args.vat_parts = [p for p in (args.vat_parts or ",".join(VAT_PARTS)).split(",") if p]
-    if not args.vat_parts or any(p not in VAT_PARTS for p in args.vat_parts):
+    # what the loss trains (recorded in every checkpoint): no VAT part for the baseline objective
+    args.vat_parts = [] if args.objective == "baseline" else \
+        [p for p in (args.vat_parts or ",".join(VAT_PARTS)).split(",") if p]
+    if args.objective == "vat" and (not args.vat_parts or any(p not in VAT_PARTS for p in args.vat_parts)):
         ap.error(f"--vat-parts takes a comma-separated subset of {','.join(VAT_PARTS)}")
     files, n_self = data_sources(args.data, args.self_prompts)
     from_files = (args.num_prompts or 10 ** 9) if files else 0  # 0 takes every prompt: count unknown yet
@@ -737,7 +739,10 @@ def learning_curves(run_dirs: list) -> dict:
         if folder.name in runs:  # the record is keyed by run name: a second one would overwrite the first
             raise ValueError(f"two runs named {folder.name} in --runs: give each run its own name")
         config = read_config(folder / "checkpoint")
-        runs[folder.name] = {"draft": draft_kind(config), **config.get("vat", {}),
+        trained = config.get("vat", {})
+        if trained.get("objective") == "baseline":  # checkpoints once recorded every part for it
+            trained = {**trained, "vat_parts": []}
+        runs[folder.name] = {"draft": draft_kind(config), **trained,
                              "curve": [{k: s[k] for k in CURVE_FIELDS if k in s} for s in log]}
     return runs
 

@@ -224,6 +224,7 @@ def test_machine_dependent_defaults(monkeypatch):
     quick = TV.get_args(["--device", "cpu", "--quick", "--batch-size", "3"])
     assert quick.steps == 2 and quick.num_prompts == 12 and quick.batch_size == 3  # what the user set stays
     assert quick.out.name.endswith("-quick") and cpu.vat_parts == list(TV.VAT_PARTS)
+    assert TV.get_args(["--device", "cpu", "--objective", "baseline"]).vat_parts == []  # what its checkpoints record
 
 
 def test_spec_bench_is_refused_by_content_under_any_name(tmp_path):
@@ -457,6 +458,12 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
         assert torch.equal(a, b), name
     with pytest.raises(SystemExit):  # an export never overwrites a draft
         TV.get_args(["--export", str(tmp_path / "run" / "checkpoint"), str(shipped)])
+    # a baseline run's checkpoint written when every part was recorded for it reads as training none
+    written = tmp_path / "run" / "checkpoint" / "config.json"
+    config = json.loads(written.read_text())
+    config["vat"].update(objective="baseline", vat_parts=list(TV.VAT_PARTS))
+    written.write_text(json.dumps(config))
+    assert TV.learning_curves([tmp_path / "run"])["run"]["vat_parts"] == []
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
