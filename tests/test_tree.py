@@ -83,14 +83,16 @@ def test_one_sampled_child_averages_to_the_chain_closed_form(v):
     assert torch.allclose(out, induced(p, q, v), atol=1e-12)
 
 
-SAMPLES = 20_000
+# 4 standard errors at 10,000 draws bound a token's error about as tightly as 5 at 20,000 did, in half
+# the time (every draw runs verify_tree); the draws are seeded, so a pass is not luck
+SAMPLES = 10_000
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["sampled", "one-hot"])
 @pytest.mark.parametrize("v", SETTINGS, ids=lambda v: v.name)
 def test_sampler_matches_the_closed_form_given_the_children(v, deterministic):
     """A root with three children (leaves): the token verify_tree emits first, accepted or drawn,
-    against induced_children, within 5 standard errors per token."""
+    against induced_children, within 4 standard errors per token."""
     g = torch.Generator().manual_seed(4)
     p_root, q = dist(g), dist(g, 1.0)
     tokens = [int(t) for t in torch.multinomial(q, 3, replacement=False, generator=g)]
@@ -104,7 +106,7 @@ def test_sampler_matches_the_closed_form_given_the_children(v, deterministic):
         path, nxt = verify_tree(p, q_nodes, torch.tensor(tokens), [-1, -1, -1], v, sampler)
         counts[tokens[path[0]] if path else nxt] += 1
     empirical = counts / SAMPLES
-    bound = 5 * (expected * (1 - expected) / SAMPLES).sqrt() + 1e-3
+    bound = 4 * (expected * (1 - expected) / SAMPLES).sqrt() + 1e-3
     assert ((empirical - expected).abs() <= bound).all(), (empirical, expected)
 
 
