@@ -241,7 +241,11 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        # drawn uniform, not nn.Embedding's normal: checkpoints build a model on the meta device before
+        # its weights arrive, and normal_ there sets up lazily (over a second of every process's start);
+        # the values are always replaced by loaded weights or only timed
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim,
+                                         _weight=torch.empty(args.vocab_size, args.dim).uniform_(-1, 1))
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
