@@ -239,11 +239,10 @@ def test_bench_runs_sample_at_temperature_above_zero(models, spec):
 # -----------------------------------------------------------------------------
 # The real default target
 
-def test_default_target_samples_its_own_distribution(smollm2_dir):
-    """Plain sampling at T = 1 on SmolLM2: 100 first tokens against the softmax (goodness of fit;
-    four tokens carry 73% of the mass here)."""
-    from checkpoints import load_target
-    target, tokenizer = load_target(str(smollm2_dir), "cpu", "float32-packed", 64)
+def test_default_target_samples_its_own_distribution(default_int4):
+    """Plain sampling at T = 1 on SmolLM2 (the session's int4 target): 100 first tokens against its
+    softmax (goodness of fit; a few tokens carry most of the mass here)."""
+    target, tokenizer = default_int4
     prompt = tokenizer.encode("The best thing about the sea is")
     with torch.no_grad():
         logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt)))

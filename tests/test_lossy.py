@@ -250,9 +250,14 @@ def test_bad_arguments_fail_in_one_line(bad, message, capsys):
 def test_missing_weights_and_drafts_fail_in_one_line_and_keep_the_log_usable(tmp_path):
     out = tmp_path / "r.json"
     missing = tmp_path / "no-such-model"
-    for bad in (["--target", str(missing), "--draft", "lookup"], ["--draft", str(missing)]):
-        r = run_lossy(*bad, "--workers", "2", "--problems", "1", "--out", str(out))
-        assert r.returncode == 1 and str(missing) in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
+    # a missing target is refused before any worker starts: in this process
+    with pytest.raises(CK.CheckpointError, match=re.escape(str(missing))) as refusal:
+        lossy.main(["--target", str(missing), "--draft", "lookup", "--workers", "2", "--problems", "1",
+                    "--out", str(out)])
+    assert "\n" not in str(refusal.value)
+    # a missing draft fails inside the workers: the script's one line, from its own process
+    r = run_lossy("--draft", str(missing), "--workers", "2", "--problems", "1", "--out", str(out))
+    assert r.returncode == 1 and str(missing) in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
     assert lossy.read_partial(out.with_name(out.name + ".problems.jsonl"), {"config": 1}) == {}
 
 

@@ -137,6 +137,8 @@ def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
     def die(*a, **k):
         raise KeyboardInterrupt  # as if the user pressed Ctrl-C halfway
     monkeypatch.setattr(safetensors.torch, "save_file", die)
+    # what is written does not matter to what an interruption leaves: skip dequantizing the weights
+    monkeypatch.setattr(CK, "gguf_tensors_in_hf_names", lambda reader, meta: {"model.norm.weight": torch.ones(4)})
     with pytest.raises(KeyboardInterrupt):
         CK.convert_embedded_smollm2(tmp_path / "smol")
     assert list(tmp_path.iterdir()) == []
