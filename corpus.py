@@ -179,8 +179,11 @@ def draft_vocabulary(data, vocab_size: int, size: int):
     return top - torch.arange(size), t2d
 
 
-def batches(data, batch_size: int, seq_len: int, rng: random.Random):
-    """Endless random batches (tokens (B, T), response mask (B, T)), right-padded to the longest."""
+def batches(data, batch_size: int, seq_len: int, rng: random.Random, start: int = 0):
+    """Endless random batches (tokens (B, T), response mask (B, T)), right-padded to the longest,
+    from batch `start` of the order rng draws (a resumed run skips what it trained)."""
+    for _ in range(start):
+        [rng.randrange(len(data)) for _ in range(batch_size)]
     while True:
         picks = [rng.randrange(len(data)) for _ in range(batch_size)]
         T = min(seq_len, max(len(data[i][0]) for i in picks))
@@ -381,15 +384,22 @@ def length_groups(corpus: Corpus, indices, tokens_per_batch: int, seq_len: int) 
     return groups + [group]
 
 
-def corpus_batches(corpus: Corpus, indices: list, tokens_per_batch: int, seq_len: int, rng: random.Random):
+def corpus_batches(corpus: Corpus, indices: list, tokens_per_batch: int, seq_len: int, rng: random.Random,
+                   start: int = 0):
     """Endless batches of whole sequences of similar length (little padding), at most
-    tokens_per_batch padded tokens each, in a new random order every epoch. Yields tokens (B, T),
-    response mask (B, T), and the target's rows: features (B, T, L*dim), final (B, T, dim),
-    lse (B, T), argmax (B, T)."""
+    tokens_per_batch padded tokens each, in a new random order every epoch, from batch `start` (a
+    resumed run replays the epochs' shuffles from the seed and skips what it trained: a run stopped
+    mid-epoch goes on with that epoch's order). Yields tokens (B, T), response mask (B, T), and the
+    target's rows: features (B, T, L*dim), final (B, T, dim), lse (B, T), argmax (B, T)."""
     groups = length_groups(corpus, indices, tokens_per_batch, seq_len)
+    skip = start
     while True:
         rng.shuffle(groups)
-        for group in groups:
+        if skip >= len(groups):  # a whole epoch already trained
+            skip -= len(groups)
+            continue
+        todo, skip = groups[skip:], 0
+        for group in todo:
             T = min(seq_len, max(int(corpus.lengths[i]) for i in group))
             B = len(group)
             out = {"tokens": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T),

@@ -589,7 +589,7 @@ def build_draft_net(args, target, data):
 
 
 def draft_to_train(args, target, data, device):
-    """(draft, optimizer, step, log, rng state): the newest checkpoint's with --resume, else new."""
+    """(draft, optimizer, step, log): the newest checkpoint's with --resume, else new."""
     resumed = latest_checkpoint(args.out, target) if args.resume else None
     if resumed:
         net, state, log = resumed
@@ -602,10 +602,10 @@ def draft_to_train(args, target, data, device):
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     if state is None:
-        return net, opt, 0, log, None
+        return net, opt, 0, log
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
-    return net, opt, state["step"], log, (state["rng"][0], tuple(state["rng"][1]), state["rng"][2])
+    return net, opt, state["step"], log
 
 
 def learning_rate(args, step: int) -> float:
@@ -644,30 +644,30 @@ def main(argv=None):
     held_out, data = data[:args.eval_prompts], data[args.eval_prompts:]
 
     # model: the draft (new or resumed) and its loss; the target stays frozen beside it
-    net, opt, step, log, rng_state = draft_to_train(args, target, data, device)
-    if rng_state:
-        rng.setstate(rng_state)
+    net, opt, step, log = draft_to_train(args, target, data, device)
     target.setup_caches(args.batch_size, args.seq_len)  # training forwards: one batch of sequences
     model = DraftLoss(net, target, LossSettings.from_args(args), args.ttt_steps, args.blocks_per_seq)
     if world > 1:  # gradients of the draft are averaged across processes; the target is never all-reduced
         model = torch.nn.parallel.DistributedDataParallel(model)
-    stream = batch_stream(args, corpus, data, rng)
+    # the batches from the seed's order, past the `step` ones a resumed run trained: the same batches
+    # as an uninterrupted run (restoring the checkpoint's rng state would start a new epoch's order)
+    stream = batch_stream(args, corpus, data, rng, step)
     train(args, model, net, target, opt, step, log, stream, rng, tokenizer, [text for _, _, text in held_out],
           rank == 0)
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
-def batch_stream(args, corpus, data: list, rng: random.Random):
-    """Training batches: from the corpus, whole sequences of similar length, as many as fit
-    batch_size * seq_len padded tokens; else fixed-size batches of the regenerated data."""
+def batch_stream(args, corpus, data: list, rng: random.Random, start: int):
+    """Training batches from batch `start` on: from the corpus, whole sequences of similar length, as
+    many as fit batch_size * seq_len padded tokens; else fixed-size batches of the regenerated data."""
     if corpus is None:
-        return batches(data, args.batch_size, args.seq_len, rng)
+        return batches(data, args.batch_size, args.seq_len, rng, start)
     train_rows = range(args.eval_prompts, len(corpus))
     epoch = len(length_groups(corpus, train_rows, args.batch_size * args.seq_len, args.seq_len))
     print(f"corpus: {len(train_rows)} training sequences, {corpus.response_tokens()} response tokens; "
           f"one epoch is {epoch} steps of up to {args.batch_size * args.seq_len} tokens", file=sys.stderr)
-    return corpus_batches(corpus, train_rows, args.batch_size * args.seq_len, args.seq_len, rng)
+    return corpus_batches(corpus, train_rows, args.batch_size * args.seq_len, args.seq_len, rng, start)
 
 
 def train(args, model, net, target, opt, step: int, log: list, stream, rng, tokenizer, eval_texts: list,

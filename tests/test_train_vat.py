@@ -675,6 +675,17 @@ def test_corpus_batches_cover_every_sequence_once_an_epoch_with_little_padding(t
     # sorted by length, a batch pads to a neighbour's length: [3 7 12 12 20] [33 40] [61] [64],
     # 252 real tokens in 305
     assert (padded, real) == (305, 252)
+    # from batch `start` (a resumed run): the uninterrupted stream's batches from there, epochs of
+    # 4 batches, stopped mid-epoch and past a whole one; the same for the regenerated data's batches
+    whole = C.corpus_batches(Fake, range(1, 10), 100, 64, random.Random(0))
+    first = [next(whole)[0].tolist() for _ in range(11)]
+    for start in (2, 6):
+        resumed = C.corpus_batches(Fake, range(1, 10), 100, 64, random.Random(0), start)
+        assert [next(resumed)[0].tolist() for _ in range(11 - start)] == first[start:]
+    data = [(list(range(n)), 1, "") for n in (3, 5, 8, 13)]
+    whole = C.batches(data, 2, 16, random.Random(0))
+    first = [next(whole)[0].tolist() for _ in range(6)]
+    assert [next(C.batches(data, 2, 16, random.Random(0), 4))[0].tolist()] == first[4:5]
 
 
 def test_an_interrupted_corpus_build_continues_where_it_stopped(tmp_path):
@@ -730,3 +741,41 @@ def test_train_vat_under_torchrun_ddp(tmp_path):
 
 # -----------------------------------------------------------------------------
 # Released checkpoints: load exactly what they say, or refuse
+
+
+def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch):
+    """Training in chunks (stopped mid-epoch after a save, continued with --resume) trains on the
+    uninterrupted run's batches: the same losses step by step, and its draft. (Two uninterrupted runs
+    are equal bit for bit; a resumed one's fused-feature and qkv weights have differed from them in
+    the last bit, a difference not yet explained, so the weights are compared to 1e-6.)"""
+    tiny_chat_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers"}) + "\n" for i in range(10)))
+    common = ["--target", str(tmp_path / "target"), "--draft", "eagle3", "--data", str(prompts), "--num-prompts",
+              "10", "--response-tokens", "12", "--gen-batch", "4", "--batch-size", "2", "--seq-len", "32",
+              "--eval-prompts", "2", "--eval-every", "0", "--save-every", "2", "--ttt-steps", "3",
+              "--draft-vocab", "200", "--warmup", "1", "--steps", "6", "--cache-dir", str(tmp_path / "cache"),
+              "--device", "cpu"]
+    TV.main(common + ["--out", str(tmp_path / "whole")])
+
+    saved = TV.save_checkpoint
+
+    def save_then_stop(out, net, target_args, step, *rest, **kw):
+        saved(out, net, target_args, step, *rest, **kw)
+        if step == 2:
+            raise KeyboardInterrupt  # the chunk ends here
+    monkeypatch.setattr(TV, "save_checkpoint", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        TV.main(common + ["--out", str(tmp_path / "chunks")])
+    monkeypatch.setattr(TV, "save_checkpoint", saved)
+    TV.main(common + ["--out", str(tmp_path / "chunks"), "--resume"])
+
+    def log(run):
+        return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
+                for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+    assert log("chunks") == log("whole") and [s["step"] for s in log("whole")] == list(range(1, 7))
+    target = CK.load_model(tmp_path / "target")
+    whole, chunks = load_draft(tmp_path / "whole" / "checkpoint", target)[1], \
+        load_draft(tmp_path / "chunks" / "checkpoint", target)[1]
+    for (name, a), (_, b) in zip(whole.state_dict().items(), chunks.state_dict().items()):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-8), name
