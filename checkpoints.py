@@ -18,7 +18,6 @@ Arrows go one way: this file imports model.py and draft.py, never the reverse.
 """
 import json
 import os
-import random
 import re
 import shutil
 import sys
@@ -619,15 +618,15 @@ def save_draft(net, path, target_args: M.ModelArgs, extra_config: dict | None = 
 KEEP_CHECKPOINTS = 2
 
 
-def save_checkpoint(out: Path, net, target_args, step: int, opt, rng: random.Random, log: list,
-                    vat_info: dict, keep_every: int = 0):
+def save_checkpoint(out: Path, net, target_args, step: int, opt, log: list, vat_info: dict,
+                    keep_every: int = 0):
     """Write step-NNNNNN and point `checkpoint` at it; older ones are removed but the newest
     KEEP_CHECKPOINTS and, with keep_every, those at its multiples (a learning curve's points)."""
     with directory_written_atomically(out / f"step-{step:06d}") as tmp:
         write_draft_files(net, tmp, target_args, {"vat": {**vat_info, "step": step}}, dtype=torch.float32)
-        version, internal, gauss = rng.getstate()
-        torch.save({"step": step, "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                    "rng": [version, list(internal), gauss]}, tmp / "train_state.pt")
+        # (the batch order needs no state: a resumed run replays it from the seed)
+        torch.save({"step": step, "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()},
+                   tmp / "train_state.pt")
         (tmp / "log.jsonl").write_text("".join(json.dumps(s) + "\n" for s in log))
     link = out / ".checkpoint-link"
     link.unlink(missing_ok=True)

@@ -649,10 +649,10 @@ def main(argv=None):
     model = DraftLoss(net, target, LossSettings.from_args(args), args.ttt_steps, args.blocks_per_seq)
     if world > 1:  # gradients of the draft are averaged across processes; the target is never all-reduced
         model = torch.nn.parallel.DistributedDataParallel(model)
-    # the batches from the seed's order, past the `step` ones a resumed run trained: the same batches
-    # as an uninterrupted run (restoring the checkpoint's rng state would start a new epoch's order)
+    # the batches in the seed's order, past the `step` ones a resumed run trained: the same batches as
+    # an uninterrupted run, also when it stopped mid-epoch
     stream = batch_stream(args, corpus, data, rng, step)
-    train(args, model, net, target, opt, step, log, stream, rng, tokenizer, [text for _, _, text in held_out],
+    train(args, model, net, target, opt, step, log, stream, tokenizer, [text for _, _, text in held_out],
           rank == 0)
     if world > 1:
         torch.distributed.destroy_process_group()
@@ -670,7 +670,7 @@ def batch_stream(args, corpus, data: list, rng: random.Random, start: int):
     return corpus_batches(corpus, train_rows, args.batch_size * args.seq_len, args.seq_len, rng, start)
 
 
-def train(args, model, net, target, opt, step: int, log: list, stream, rng, tokenizer, eval_texts: list,
+def train(args, model, net, target, opt, step: int, log: list, stream, tokenizer, eval_texts: list,
           master: bool):
     """The loop from `step` to args.steps (or the time budget), with the periodic real-tau check
     and checkpoints. `model` is the draft's loss (DDP-wrapped with several processes) around
@@ -709,7 +709,7 @@ def train(args, model, net, target, opt, step: int, log: list, stream, rng, toke
             tqdm.write(f"step {step}: real tau {stats['real_tau']:.2f} on {len(eval_texts)} held-out prompts",
                        file=sys.stderr)
         if master and (step % args.save_every == 0 or last):
-            save_checkpoint(args.out, net, target.args, step, opt, rng, log,
+            save_checkpoint(args.out, net, target.args, step, opt, log,
                             {"objective": args.objective, "vat_parts": args.vat_parts, "target": args.target},
                             args.keep_every)
         if out_of_time:

@@ -82,7 +82,7 @@ def saves(out):
         opt = torch.optim.AdamW(net.parameters())
         if step == 4:
             count = 0
-        CK.save_checkpoint(out, net, TARGET_ARGS, step, opt, random.Random(step),
+        CK.save_checkpoint(out, net, TARGET_ARGS, step, opt,
                            [{{"step": s}} for s in range(1, step + 1)], {{"objective": "vat"}})
     n, count = count, None  # the count file below is not part of the save
     return n
@@ -125,7 +125,7 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path):
             assert torch.equal(value, expected[step][key].float()), (kill_at, key)
         assert (out / "checkpoint").resolve().name in (f"step-{step:06d}", "step-000002", "step-000004")
         # a resumed run carries on from there, and its next save cleans up what the kill left
-        CK.save_checkpoint(out, net, TARGET_ARGS, 6, torch.optim.AdamW(net.parameters()), random.Random(0),
+        CK.save_checkpoint(out, net, TARGET_ARGS, 6, torch.optim.AdamW(net.parameters()),
                            log + [{"step": 5}, {"step": 6}] if step == 4 else log, {"objective": "vat"})
         assert CK.latest_checkpoint(out, target)[1]["step"] == 6
         assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
@@ -141,7 +141,7 @@ def test_tampered_training_state_is_refused_not_executed(tmp_path, capsys):
     target = small_target()
     for step in (2, 4):
         net = small_draft(seed=step)
-        CK.save_checkpoint(tmp_path, net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()), random.Random(0),
+        CK.save_checkpoint(tmp_path, net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
                            [{"step": s} for s in range(1, step + 1)], {"objective": "vat"})
     marker = tmp_path / "pwned"
     exploit = Exploit()
@@ -157,9 +157,9 @@ def test_only_the_newest_checkpoints_and_those_at_keep_every_remain(tmp_path):
     net = small_draft(seed=1)
     for step in range(1, 8):
         CK.save_checkpoint(tmp_path / "plain", net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
-                           random.Random(0), [{"step": s} for s in range(1, step + 1)], {"objective": "vat"})
+                           [{"step": s} for s in range(1, step + 1)], {"objective": "vat"})
         CK.save_checkpoint(tmp_path / "kept", net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
-                           random.Random(0), [{"step": s} for s in range(1, step + 1)], {"objective": "vat"},
+                           [{"step": s} for s in range(1, step + 1)], {"objective": "vat"},
                            keep_every=3)
     assert [p.name for p in CK.checkpoint_dirs(tmp_path / "plain")] == ["step-000006", "step-000007"]
     assert [p.name for p in CK.checkpoint_dirs(tmp_path / "kept")] == ["step-000003", "step-000006", "step-000007"]
@@ -168,7 +168,7 @@ def test_only_the_newest_checkpoints_and_those_at_keep_every_remain(tmp_path):
 
 def test_a_cut_off_log_does_not_stop_a_resume(tmp_path, capsys):
     net = small_draft(seed=1)
-    CK.save_checkpoint(tmp_path, net, TARGET_ARGS, 3, torch.optim.AdamW(net.parameters()), random.Random(0),
+    CK.save_checkpoint(tmp_path, net, TARGET_ARGS, 3, torch.optim.AdamW(net.parameters()),
                        [{"step": s} for s in (1, 2, 3)], {"objective": "vat"})
     log = tmp_path / "step-000003" / "log.jsonl"
     log.write_text(log.read_text()[:-8])  # cut inside the last line
