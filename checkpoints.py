@@ -560,7 +560,11 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
     bad = first_non_finite(sd)
     if bad:
         raise CheckpointError(f"draft {path} holds non-finite values in {bad}: refusing to decode with it")
-    sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in sd.items()}
+    # copies in memory of their own: tensors read from the file can sit at any offset of its buffer,
+    # and the CPU kernels' last bits depend on alignment, so a resumed training would part from the
+    # uninterrupted one
+    sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
+          for k, v in sd.items()}
     net.load_state_dict(sd, assign=True)
     return kind, net.eval()
 
