@@ -743,14 +743,16 @@ def test_train_vat_under_torchrun_ddp(tmp_path):
 # Released checkpoints: load exactly what they say, or refuse
 
 
-def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("draft", ["eagle3", "dflash"])
+def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, draft):
     """Training in chunks (stopped mid-epoch after a save, continued with --resume) gives the
     uninterrupted run: its batches, its losses step by step and its draft bit for bit (long trainings
-    run in chunks, and their pairs are compared as if they had not been cut)."""
+    run in chunks, and their pairs are compared as if they had not been cut). DFlash also draws its
+    block anchors from torch's generator, which the checkpoint carries."""
     tiny_chat_target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers"}) + "\n" for i in range(10)))
-    common = ["--target", str(tmp_path / "target"), "--draft", "eagle3", "--data", str(prompts), "--num-prompts",
+    common = ["--target", str(tmp_path / "target"), "--draft", draft, "--data", str(prompts), "--num-prompts",
               "10", "--response-tokens", "12", "--gen-batch", "4", "--batch-size", "2", "--seq-len", "32",
               "--eval-prompts", "2", "--eval-every", "0", "--save-every", "2", "--ttt-steps", "3",
               "--draft-vocab", "200", "--warmup", "1", "--steps", "6", "--cache-dir", str(tmp_path / "cache"),
