@@ -150,7 +150,6 @@ def test_default_target_prompt_lookup(default_int4):
     assert plain_line.startswith(f"[plain decoding, T=0, int4 weights] {plain['new_tokens']} tokens at 20.0 tok/s")
 
 
-
 # int8 is opt-in and its exactness is also enumerated on the tiny models (tests/test_emits.py): its
 # quantization of the default target is the slowest load, so it runs with --runslow
 @pytest.mark.parametrize("layout", [pytest.param("int8", marks=pytest.mark.slow), "bfloat16-packed", "int4"])

@@ -489,6 +489,45 @@ def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, 
         assert torch.allclose(grads[1][name], g, rtol=1e-3, atol=1e-5), name
 
 
+@pytest.mark.parametrize("draft", ["eagle3", "dflash"])
+def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, draft):
+    """Training in chunks (stopped mid-epoch after a save, continued with --resume) gives the
+    uninterrupted run: its batches, its losses step by step and its draft bit for bit (long trainings
+    run in chunks, and their pairs are compared as if they had not been cut). DFlash also draws its
+    block anchors from torch's generator, which the checkpoint carries."""
+    tiny_chat_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers"}) + "\n" for i in range(10)))
+    common = ["--target", str(tmp_path / "target"), "--draft", draft, "--data", str(prompts), "--num-prompts",
+              "10", "--response-tokens", "12", "--gen-batch", "4", "--batch-size", "2", "--seq-len", "32",
+              "--eval-prompts", "2", "--eval-every", "0", "--save-every", "2", "--ttt-steps", "3",
+              "--draft-vocab", "200", "--warmup", "1", "--steps", "6", "--cache-dir", str(tmp_path / "cache"),
+              "--device", "cpu"]
+    TV.main(common + ["--out", str(tmp_path / "whole")])
+
+    saved = TV.save_checkpoint
+
+    def save_then_stop(out, net, target_args, step, *rest, **kw):
+        saved(out, net, target_args, step, *rest, **kw)
+        if step == 2:
+            raise KeyboardInterrupt  # the chunk ends here
+    monkeypatch.setattr(TV, "save_checkpoint", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        TV.main(common + ["--out", str(tmp_path / "chunks")])
+    monkeypatch.setattr(TV, "save_checkpoint", saved)
+    TV.main(common + ["--out", str(tmp_path / "chunks"), "--resume"])
+
+    def log(run):
+        return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
+                for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+    assert log("chunks") == log("whole") and [s["step"] for s in log("whole")] == list(range(1, 7))
+    target = CK.load_model(tmp_path / "target")
+    whole, chunks = load_draft(tmp_path / "whole" / "checkpoint", target)[1], \
+        load_draft(tmp_path / "chunks" / "checkpoint", target)[1]
+    for (name, a), (_, b) in zip(whole.state_dict().items(), chunks.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 # -----------------------------------------------------------------------------
 # Fast training: chains that carry loss only, and the captured corpus
 
@@ -737,46 +776,3 @@ def test_train_vat_under_torchrun_ddp(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["steps"] == 3
     assert load_draft(tmp_path / "run" / "checkpoint", CK.load_model(tmp_path / "target"))[0] == "eagle3"
-
-
-# -----------------------------------------------------------------------------
-# Released checkpoints: load exactly what they say, or refuse
-
-
-@pytest.mark.parametrize("draft", ["eagle3", "dflash"])
-def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, draft):
-    """Training in chunks (stopped mid-epoch after a save, continued with --resume) gives the
-    uninterrupted run: its batches, its losses step by step and its draft bit for bit (long trainings
-    run in chunks, and their pairs are compared as if they had not been cut). DFlash also draws its
-    block anchors from torch's generator, which the checkpoint carries."""
-    tiny_chat_target(tmp_path / "target")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"question": f"question {i} about numbers"}) + "\n" for i in range(10)))
-    common = ["--target", str(tmp_path / "target"), "--draft", draft, "--data", str(prompts), "--num-prompts",
-              "10", "--response-tokens", "12", "--gen-batch", "4", "--batch-size", "2", "--seq-len", "32",
-              "--eval-prompts", "2", "--eval-every", "0", "--save-every", "2", "--ttt-steps", "3",
-              "--draft-vocab", "200", "--warmup", "1", "--steps", "6", "--cache-dir", str(tmp_path / "cache"),
-              "--device", "cpu"]
-    TV.main(common + ["--out", str(tmp_path / "whole")])
-
-    saved = TV.save_checkpoint
-
-    def save_then_stop(out, net, target_args, step, *rest, **kw):
-        saved(out, net, target_args, step, *rest, **kw)
-        if step == 2:
-            raise KeyboardInterrupt  # the chunk ends here
-    monkeypatch.setattr(TV, "save_checkpoint", save_then_stop)
-    with pytest.raises(KeyboardInterrupt):
-        TV.main(common + ["--out", str(tmp_path / "chunks")])
-    monkeypatch.setattr(TV, "save_checkpoint", saved)
-    TV.main(common + ["--out", str(tmp_path / "chunks"), "--resume"])
-
-    def log(run):
-        return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
-                for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
-    assert log("chunks") == log("whole") and [s["step"] for s in log("whole")] == list(range(1, 7))
-    target = CK.load_model(tmp_path / "target")
-    whole, chunks = load_draft(tmp_path / "whole" / "checkpoint", target)[1], \
-        load_draft(tmp_path / "chunks" / "checkpoint", target)[1]
-    for (name, a), (_, b) in zip(whole.state_dict().items(), chunks.state_dict().items()):
-        assert torch.equal(a, b), name
