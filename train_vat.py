@@ -423,6 +423,9 @@ def add_schedule_args(ap):
     g = ap.add_argument_group("schedule and evaluation")
     g.add_argument("--steps", type=int, default=None)
     g.add_argument("--time-budget", type=float, default=None, help="stop training after this many minutes")
+    g.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                   help="stop after this step and save it, the schedule still running to --steps: a point "
+                        "midway through a schedule (an ablation row), which --resume can continue")
     g.add_argument("--batch-size", type=int, default=None)
     g.add_argument("--seq-len", type=int, default=None)
     g.add_argument("--lr", type=float, default=1e-3)
@@ -521,6 +524,8 @@ def check_settings(ap, args):
         ap.error("need --block-size >= 2, --lr > 0 and --beta >= 0")
     if args.time_budget is not None and not args.time_budget > 0:
         ap.error("--time-budget must be > 0 minutes")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        ap.error(f"--stop-at must be a step from 1 to --steps ({args.steps}), got {args.stop_at}")
     problem = machine_problem(args.device, "auto", None)
     if problem:
         ap.error(problem)
@@ -672,14 +677,16 @@ def batch_stream(args, corpus, data: list, rng: random.Random, start: int):
 
 def train(args, model, net, target, opt, step: int, log: list, stream, tokenizer, eval_texts: list,
           master: bool):
-    """The loop from `step` to args.steps (or the time budget), with the periodic real-tau check
+    """The loop from `step` to args.steps (or --stop-at, or the time budget), with the periodic real-tau check
     and checkpoints. `model` is the draft's loss (DDP-wrapped with several processes) around
     `net`. A non-finite loss stops the loop before the draft is touched or saved."""
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if target.embed_tokens.weight.is_cuda else nullcontext()
     t0, trained_tokens = time.time(), 0
     bar = tqdm(total=args.steps, initial=step, desc=f"{args.draft} {args.objective}", file=sys.stderr,
                disable=not master)
-    while step < args.steps:
+    end = args.stop_at or args.steps  # the learning rate still follows the schedule to args.steps
+    out_of_time = False
+    while step < end:
         lr = learning_rate(args, step)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -701,7 +708,7 @@ def train(args, model, net, target, opt, step: int, log: list, stream, tokenizer
         bar.set_postfix(loss=f"{stats['loss']:.3f}", head_acc=f"{stats['head_acc']:.2f}",
                         sim_tau=f"{stats['sim_tau']:.2f}")
         out_of_time = args.time_budget and (time.time() - t0) / 60 > args.time_budget
-        last = step == args.steps or out_of_time
+        last = step == end or out_of_time
         if master and args.eval_every and (step % args.eval_every == 0 or last):
             stats["real_tau"] = evaluate_tau(net, target, tokenizer, eval_texts, args.eval_k,
                                              args.max_prompt_tokens)
@@ -715,6 +722,9 @@ def train(args, model, net, target, opt, step: int, log: list, stream, tokenizer
         if out_of_time:
             tqdm.write(f"time budget of {args.time_budget} min reached at step {step}", file=sys.stderr)
             break
+    if step < args.steps and not out_of_time and master:
+        tqdm.write(f"stopped at step {step} of {args.steps} (--stop-at); --resume continues the schedule",
+                   file=sys.stderr)
     bar.close()
     if master:  # response tokens trained on per second, evaluations included
         print(json.dumps({"out": str(args.out / "checkpoint"), "steps": step, "minutes": (time.time() - t0) / 60,

@@ -189,6 +189,8 @@ def test_a_cut_off_log_does_not_stop_a_resume(tmp_path, capsys):
     (["--data", "self", "--self-prompts", "5", "--eval-prompts", "5"], "hold out all 5"),
     (["--data", "nowhere.jsonl"], "prompt file not found"),
     (["--time-budget", "0"], "--time-budget must be > 0"),
+    (["--steps", "10", "--stop-at", "11"], "--stop-at must be a step from 1 to --steps (10)"),
+    (["--stop-at", "0"], "--stop-at must be a step from 1"),
     (["--lr", "nan"], "--lr > 0"),
     (["--objective", "baseline", "--vat-parts", "head"], "--vat-parts applies to --objective vat"),
     (["--vat-parts", "head,magic"], "subset of head,weighting,ce"),
@@ -526,6 +528,11 @@ def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, draft):
         load_draft(tmp_path / "chunks" / "checkpoint", target)[1]
     for (name, a), (_, b) in zip(whole.state_dict().items(), chunks.state_dict().items()):
         assert torch.equal(a, b), name
+
+    # --stop-at ends a run between saves on the uninterrupted run's schedule, and saves there
+    TV.main(common + ["--out", str(tmp_path / "midway"), "--stop-at", "3"])
+    assert log("midway") == log("whole")[:3]
+    assert CK.latest_checkpoint(tmp_path / "midway", target)[1]["step"] == 3
 
 
 # -----------------------------------------------------------------------------
