@@ -37,12 +37,13 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, LAYOUTS, ROOT, apply_layout, build_draft,
-                        checkpoint_step, compile_step, cpu_description, default_device, embedded_gguf_path, layout_dtype,
-                        load_target, machine_problem, pick_threads, resolve_model, target_layout, wants_compile,
-                        write_atomically)
-from decode import check_prompt, check_temperature, generate, prompt_text, read_jsonl, repo_path, repo_relative
-from draft import AdaptiveDraft, HeadCalibration
+from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, checkpoint_step,
+                         embedded_gguf_path, resolve_model, write_atomically)
+from layouts import (LAYOUTS, apply_layout, compile_step, cpu_description, default_device, layout_dtype,
+                     load_target, machine_problem, pick_threads, target_layout, wants_compile)
+
+from decode import adaptive, check_prompt, check_temperature, generate, prompt_text, read_jsonl, repo_path, repo_relative
+from draft import HeadCalibration
 from verify import VERIFIERS, Verifier
 
 
@@ -127,14 +128,14 @@ def draft_label(spec: str) -> str:
     return name + (" +adaptive" if spec.endswith("@adapt") else "")
 
 
-def make_draft(spec, target, tokenizer, temperature, generator):
+def make_draft(spec, target, tokenizer, temperature, generator, k: int):
     """A draft spec as decode.py takes it, optionally suffixed @ee (or @ee<threshold>) for early
     exit, @tree<N> for trees of N nodes (decode.py --tree; the run's tree budget comes from
     split_tree), then @adapt for the adaptive draft length (decode.py --adaptive)."""
     base, early_exit = split_early_exit(spec)
     draft = build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
                         early_exit=early_exit)
-    return AdaptiveDraft(draft) if spec.endswith("@adapt") else draft
+    return adaptive(draft, target, k) if spec.endswith("@adapt") else draft
 
 
 @dataclass
@@ -253,7 +254,7 @@ def speed_runs(args, target, tokenizer, generator):
     for temperature in args.temperatures:
         runs.append(Run(f"baseline T={temperature:g}", temperature, target))
         for spec in args.drafts:
-            draft = make_draft(spec, target, tokenizer, temperature, generator)
+            draft = make_draft(spec, target, tokenizer, temperature, generator, args.num_draft_tokens)
             if isinstance(draft, HeadCalibration):  # its head's probability against what was kept
                 draft.calibration = []
             for name in args.verifiers:
@@ -874,8 +875,8 @@ def main(argv=None):
     summary, records, paired, profiled = {}, {}, {}, {}
     if not args.speed_off or args.profile_step:
         layout = target_layout(args.dtype, args.device, args.compile)
-        target, tokenizer = load_target(args.target, args.device, layout, 4096, args.num_draft_tokens + 1)
-        args.layout, args.layout_ms = target.layout, target.layout_ms  # into the results' config
+        target, tokenizer = load_target(args.target, args.device, layout, 4096)
+        args.layout, args.layout_choice = target.layout, target.choice  # into the results' config
     if args.profile_step:
         profiled = step_profile(target, blocks=(1, args.num_draft_tokens + 1))
     if not args.speed_off:

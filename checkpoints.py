@@ -16,18 +16,17 @@ renamed into place, so a reader sees the old version or the new one, whole, even
 is killed halfway; and no tensor holding a NaN or an infinity is written or read as weights.
 Arrows go one way: this file imports model.py and draft.py, never the reverse.
 """
+import dataclasses
 import json
 import os
 import re
 import shutil
 import sys
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import model as M
 from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft,
@@ -87,6 +86,8 @@ def directory_written_atomically(path: Path):
     tmp.chmod(0o755)  # mkdtemp's 0700 would keep it from other users
     try:
         yield tmp
+        for file in tmp.iterdir():  # (some writers create files 0600: readable by their owner alone)
+            file.chmod(0o644 if file.is_file() else 0o755)
         replace_directory(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -163,28 +164,71 @@ def read_config(model_dir: Path) -> dict:
         raise CheckpointError(f"corrupt config.json in {model_dir}: {e}") from None
 
 
-def read_safetensors(model_dir: Path) -> dict:
-    """All tensors of model.safetensors, or of every shard named by model.safetensors.index.json."""
-    from safetensors import safe_open
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def safetensors_files(model_dir: Path) -> list:
+    """model.safetensors, or every shard named by model.safetensors.index.json."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"corrupt {index}: it needs a weight_map of tensor names to files") from None
     elif (model_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    missing = next((name for name in files if not (model_dir / name).is_file()), None)
+    if missing:
+        raise CheckpointError(f"missing shard {missing} in {model_dir}")
+    return [model_dir / name for name in files]
+
+
+def read_safetensors(model_dir: Path, wanted=None, dtype: torch.dtype | None = None) -> dict:
+    """The tensors of a directory's safetensors files for which wanted(name) holds (all by default),
+    floating-point ones converted to `dtype` one at a time. Read with plain file reads into tensors
+    of their own, not mapped: a model then costs its bytes once, whatever its size, and never
+    twice (a mapped file's pages count beside the copies made from them)."""
     tensors = {}
-    for name in files:
-        path = model_dir / name
-        if not path.is_file():
-            raise CheckpointError(f"missing shard {name} in {model_dir}")
+    for path in safetensors_files(model_dir):
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
-        except Exception as e:  # safetensors raises its own error types for truncated/garbled files
-            raise CheckpointError(f"corrupt safetensors file {path}: {str(e).splitlines()[0]}") from None
+            with open(path, "rb") as f:
+                tensors.update(read_safetensors_file(f, path, wanted, dtype))
+        except PermissionError:
+            raise CheckpointError(f"cannot read {path}: permission denied") from None
     return tensors
+
+
+def read_safetensors_file(f, path: Path, wanted, dtype) -> dict:
+    """One safetensors file: an 8-byte header length, a JSON header of names, dtypes, shapes and
+    byte ranges, then the bytes."""
+    size = os.fstat(f.fileno()).st_size
+    corrupt = lambda why: CheckpointError(f"corrupt safetensors file {path}: {why}")  # noqa: E731
+    header_len = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+    if not 0 < header_len <= size - 8:
+        raise corrupt("no header (is it a safetensors file, and whole?)")
+    try:
+        header = json.loads(f.read(header_len))
+        entries = [(name, SAFETENSORS_DTYPES[e["dtype"]], [int(d) for d in e["shape"]],
+                    [int(o) for o in e["data_offsets"]]) for name, e in header.items() if name != "__metadata__"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError):
+        raise corrupt("its header is not a valid safetensors header") from None
+    out = {}
+    for name, st_dtype, shape, (begin, end) in entries:
+        if wanted is not None and not wanted(name):
+            continue
+        t = torch.empty(shape, dtype=st_dtype)
+        nbytes = t.numel() * t.element_size()
+        if end - begin != nbytes or 8 + header_len + end > size or begin < 0:
+            raise corrupt(f"tensor {name} lies outside the file (truncated?)")
+        f.seek(8 + header_len + begin)
+        if nbytes and f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) != nbytes:
+            raise corrupt(f"tensor {name} is cut off")
+        out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return out
 
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -230,10 +274,19 @@ def hf_to_ours(hf: dict, args: M.ModelArgs) -> dict:
     return fuse_hf(sd)
 
 
-def load_model(model_dir, dtype=torch.float32, device="cpu") -> M.Transformer:
+def load_model(model_dir, dtype=torch.float32, device="cpu", n_layer: int | None = None) -> M.Transformer:
+    """The model of a Hugging Face directory, each tensor read straight into `dtype` (no copy of
+    the whole model in another precision on the way). n_layer keeps only the first n_layer
+    layers: a small model with the real one's shapes, which layouts.py times."""
     model_dir = Path(model_dir)
     args = M.ModelArgs.from_hf_config(read_config(model_dir))
-    sd = hf_to_ours(read_safetensors(model_dir), args)
+    wanted = None
+    if n_layer is not None:
+        n_layer = min(n_layer, args.n_layer)
+        args = dataclasses.replace(args, n_layer=n_layer)
+        layer_of = lambda key: re.search(r"layers\.(\d+)\.", key)  # noqa: E731
+        wanted = lambda key: layer_of(key) is None or int(layer_of(key).group(1)) < n_layer  # noqa: E731
+    sd = hf_to_ours(read_safetensors(model_dir, wanted, dtype), args)
     with torch.device("meta"):
         model = M.Transformer(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -254,7 +307,7 @@ def load_model(model_dir, dtype=torch.float32, device="cpu") -> M.Transformer:
     bad = next((k for k in expected if sd[k].is_floating_point() and not torch.isfinite(sd[k]).all()), None)
     if bad:
         raise CheckpointError(f"tensor {bad} in {model_dir} holds non-finite values: refusing to run it")
-    sd = {k: sd[k].to(device=device, dtype=dtype) for k in expected}
+    sd = {k: sd.pop(k).to(device=device) for k in expected}
     model.load_state_dict(sd, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -682,278 +735,6 @@ def read_log(path: Path) -> list:
             print(f"warning: {path} is cut off after {len(out)} steps", file=sys.stderr)
             break
     return out
-
-
-# -----------------------------------------------------------------------------
-# Ready to run on this machine: the target in the layout asked for, threads, compile, drafts
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def idle_cores(seconds: float = 0.25) -> float | None:
-    """How many cores the rest of the machine leaves idle right now (Linux /proc/stat); None where
-    that cannot be read."""
-    def sample():
-        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, all
-    try:
-        idle0, total0 = sample()
-        time.sleep(seconds)
-        idle1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (os.cpu_count() or 1) * (idle1 - idle0) / max(total1 - total0, 1e-9)
-
-
-def pick_threads(flag: str) -> int:
-    """--threads N, or auto: one per core that nothing else is using. OpenMP threads spin while they
-    wait for each other, so a thread that shares its core with a busy process stalls them all (on 2
-    cores beside one busy process, one thread runs faster than two)."""
-    if flag != "auto":
-        return max(1, int(flag))
-    idle = idle_cores()
-    return torch.get_num_threads() if idle is None else max(1, min(torch.get_num_threads(), round(idle)))
-
-
-def start_processes(device: str):
-    """(device, rank, world): one process, or one of several launched by torchrun (DDP)."""
-    if "RANK" not in os.environ:
-        return device, 0, 1
-    import torch.distributed as dist
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    if device.startswith("cuda"):
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        torch.cuda.set_device(device)
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-def wants_compile(flag: str, device: str) -> bool:
-    """--compile auto|on|off: auto compiles on CUDA only (on CPU the packed eager model is faster)."""
-    return flag == "on" or (flag == "auto" and device.startswith("cuda"))
-
-
-def compile_step(target, mode: str = "default"):
-    """torch.compile the target's forward. It then attends the whole cache, so each block length is
-    one static graph. On a CPU inductor freezes the weights (folds them into the graph as constants)
-    and fuses the small ops between the matmuls; it cannot compile our packed weights, so the target
-    must be unpacked. On CUDA, mode "reduce-overhead" adds CUDA graphs."""
-    target.attend_full_cache = True
-    if target.embed_tokens.weight.device.type == "cpu":
-        return torch.compile(target, dynamic=False, options={"freezing": True})
-    return torch.compile(target, dynamic=False, mode=mode)
-
-
-# -----------------------------------------------------------------------------
-# Weight layouts: the form a target's weights take on this machine, chosen by measurement
-
-# What load_target builds. "-packed": oneDNN's blocked layout (model.PackedLinear). bfloat16 on a
-# CPU attends verification blocks row by row, so greedy speculation stays exact (model.py). int8
-# and int4 change the model (README: their cost in quality) and are opt-in, except that int4 is a
-# candidate for --dtype auto where the weights already are 4-bit codes in groups of 32 at their
-# source (the embedded GGUF target): there it changes only the rounding of the scales.
-LAYOUTS = ("float32-packed", "float32", "bfloat16-packed", "bfloat16", "float16", "int8", "int4")
-# (tests point it elsewhere, so that their tiny models leave no entries in a user's cache)
-LAYOUT_CACHE = Path(os.environ.get("SPECDEC_LAYOUT_CACHE") or cache_dir() / "layouts.json")
-
-
-def layout_dtype(layout: str) -> torch.dtype:
-    """The dtype a model is loaded in before `layout` is applied (int8 and int4 quantize from fp32)."""
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(layout.removesuffix("-packed"), torch.float32)
-
-
-def apply_layout(model: M.Transformer, layout: str, device: str) -> M.Transformer:
-    """Put a model just loaded in layout_dtype(layout) into `layout` (in place)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown weight layout {layout!r}; one of {', '.join(LAYOUTS)}")
-    if layout == "int8":
-        M.quantize_int8(model)
-    elif layout == "int4":
-        M.quantize_int4(model)  # from the fp32 weights, then the rest in bf16
-    elif layout.endswith("-packed"):
-        M.pack_for_cpu(model)
-    if layout.startswith("bfloat16") and device == "cpu":
-        M.attend_row_by_row(model)
-    model.layout = layout
-    return model
-
-
-def build_target(path: Path, layout: str, device: str, max_seq_len: int) -> M.Transformer:
-    """The model at `path` in `layout`, caches allocated, ready for inference."""
-    target = apply_layout(load_model(path, dtype=layout_dtype(layout), device=device), layout, device)
-    target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))  # in the final dtype
-    return target
-
-
-CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def cpu_description() -> dict:
-    """The CPU's model name and which of the features that decide the fastest weight layout it has."""
-    import platform
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = set(fields.get("flags", "").split())
-    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
-            "cpu_features": [f for f in CPU_FEATURES if f in flags]}
-
-
-def layout_candidates(path: Path) -> list:
-    """The layouts --dtype auto times on this CPU: fp32 and, where oneDNN has bf16 kernels here,
-    bf16, each packed and not; int4 where the weights are 4-bit at their source."""
-    candidates = ["float32-packed", "float32"]
-    if M.packable(torch.bfloat16):
-        candidates += ["bfloat16-packed", "bfloat16"]
-        if read_config(path).get("source_quantization", {}).get("group_size") == M.INT4_GROUP:
-            candidates.append("int4")
-    return candidates
-
-
-def step_seconds(target: M.Transformer, block: int, seconds: float = 1.0) -> float:
-    """Median wall time of a forward of `block` new tokens after a 64-token context (rewritten in
-    place each time, as a rejected speculative block is), over about `seconds` of steps."""
-    context = min(64, target.max_seq_len - block)
-    tokens = torch.randint(0, target.args.vocab_size, (1, context + block))
-    positions = torch.arange(context + block)
-    with torch.no_grad():
-        target(tokens[:, :context], positions[:context])
-        for _ in range(2):  # first calls allocate and pick kernels
-            target(tokens[:, context:], positions[context:])
-        times = []
-        while len(times) < 5 or (sum(times) < seconds and len(times) < 50):
-            start = time.perf_counter()
-            target(tokens[:, context:], positions[context:])
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-# A layout that rounds activations coarsely (bf16, int4) keeps greedy speculation exact only if a
-# verification block gets the bits of one-token steps. Its attention is made so (row by row), but
-# its matmuls are the CPU's: on some CPUs oneDNN's bf16 kernels sum a long row (the MLP's down
-# projection) in another order for one row than for eight, and greedy speculation then parts from
-# plain decoding. fp32's matmuls differ there too, by 2^-24 relative, which has not changed a token
-# in any test or report run; bf16's differences are 2^-8 and do.
-EXACT_LAYOUTS = ("bfloat16-packed", "bfloat16", "int8", "int4")
-
-
-def blocks_match_steps(target: M.Transformer, block: int, trials: int = 3) -> bool:
-    """Whether forwards of `block` tokens give bit for bit the logits of `block` one-token steps,
-    on random tokens after a 64-token context, here (this CPU, its thread count)."""
-    context = min(64, target.max_seq_len - block)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _ in range(trials):
-            tokens = torch.randint(0, target.args.vocab_size, (1, context + block), generator=generator)
-            positions = torch.arange(context + block)
-            target(tokens[:, :context], positions[:context])
-            whole, _ = target(tokens[:, context:], positions[context:])
-            steps = [target(tokens[:, i:i + 1], positions[i:i + 1])[0] for i in range(context, context + block)]
-            if not torch.equal(whole, torch.cat(steps, 1)):
-                return False
-    return True
-
-
-def fastest_layout(path: Path, block: int, max_seq_len: int) -> tuple:
-    """(layout, milliseconds per candidate) for forwards of `block` tokens (1 for plain decoding,
-    k+1 for speculation), measured here once and then read from LAYOUT_CACHE, keyed by CPU, torch,
-    threads, model and block. For blocks of more than one token (verification), a coarse layout
-    whose blocks do not give the bits of one-token steps here is timed but not chosen. A measurement
-    made while other processes kept a core busy is used but not remembered."""
-    cpu = cpu_description()
-    key = " | ".join([cpu["cpu"], ",".join(cpu["cpu_features"]),
-                      f"torch {torch.__version__}", f"{torch.get_num_threads()} threads",
-                      str(path.resolve()), f"{block} tokens"])
-    try:
-        cache = json.loads(LAYOUT_CACHE.read_text()) if LAYOUT_CACHE.is_file() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-        print(f"note: {LAYOUT_CACHE} is unreadable: measuring the weight layouts again", file=sys.stderr)
-        cache = {}
-    known = cache.get(key) if isinstance(cache, dict) else None
-    if isinstance(known, dict) and known.get("layout") in LAYOUTS and "inexact" in known:
-        return known["layout"], known["ms"]  # (entries without the exactness probe are measured again)
-    quiet = (idle_cores() or 0) >= torch.get_num_threads() - 0.5
-    candidates = layout_candidates(path)
-    first = build_target(path, candidates[0], "cpu", max_seq_len)  # a broken checkpoint fails here, alone
-    ms, inexact = {}, []
-    for layout in tqdm(candidates, desc="timing weight layouts (once per CPU)", file=sys.stderr):
-        target = first if layout == candidates[0] else build_target(path, layout, "cpu", max_seq_len)
-        ms[layout] = round(1e3 * step_seconds(target, block), 2)
-        if block > 1 and layout in EXACT_LAYOUTS and not blocks_match_steps(target, block):
-            inexact.append(layout)
-        del target
-    del first
-    best = min((layout for layout in ms if layout not in inexact), key=ms.get)
-    if inexact:
-        print(f"note: on this CPU {', '.join(inexact)} blocks of {block} tokens do not give the bits of "
-              f"one-token steps (greedy speculation would part from plain decoding): not chosen", file=sys.stderr)
-    if quiet:
-        cache = cache if isinstance(cache, dict) else {}
-        cache[key] = {"layout": best, "ms": ms, "inexact": inexact, "date": time.strftime("%Y-%m-%d")}
-        write_atomically(LAYOUT_CACHE, json.dumps(cache, indent=1))
-    else:
-        print("note: other processes kept a core busy while the weight layouts were timed: the choice "
-              "is used for this run only", file=sys.stderr)
-    return best, ms
-
-
-def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int, block: int = 1):
-    """Resolve, load and prepare a model for inference in `layout` (one of LAYOUTS), or, with
-    'auto' on a CPU, in the layout measured fastest here for forwards of `block` tokens. Returns
-    (target, tokenizer); target.layout names the layout, target.layout_ms what was measured."""
-    path = resolve_model(name_or_path)
-    measured = {}
-    if layout == "auto":
-        layout, measured = fastest_layout(path, block, max_seq_len)
-    target = build_target(path, layout, device, max_seq_len)
-    target.layout_ms = measured
-    if not measured and device == "cpu" and block > 1 and layout.startswith("bfloat16") \
-            and not blocks_match_steps(target, block):  # asked for by name: warn, do not refuse
-        print(f"note: on this CPU {layout} blocks of {block} tokens do not give the bits of one-token steps: "
-              f"greedy speculation may part from plain decoding (--dtype auto or int4 does not)", file=sys.stderr)
-    return target, load_tokenizer(path)
-
-
-def experiment_layout(device: str) -> str:
-    """The layout that training and the lossy experiment run their target in, whatever is fastest:
-    fp32 on a CPU, so that corpora and results do not change with the CPU; bf16 on CUDA."""
-    return "float32-packed" if device == "cpu" else "bfloat16"
-
-
-def target_layout(dtype: str | None, device: str, compiled: bool, pack: bool = True) -> str:
-    """--dtype as load_target takes it. Default (auto): on a CPU the layout measured fastest here
-    (torch.compile folds and packs the weights itself, so compiled CPU runs take float32 as it is);
-    bfloat16 on CUDA. float32 and bfloat16 on a CPU are packed unless pack is False."""
-    dtype = dtype or "auto"
-    problem = machine_problem(device, "auto", dtype, compiled)
-    if problem:
-        raise ValueError(problem)
-    if device != "cpu":
-        return "bfloat16" if dtype == "auto" else dtype
-    if dtype == "auto":
-        return "float32" if compiled else "auto"
-    packs = pack and not compiled and dtype in ("float32", "bfloat16") and M.packable(getattr(torch, dtype))
-    return f"{dtype}-packed" if packs else dtype
-
-
-def machine_problem(device: str, threads: str, dtype: str | None, compiled: bool = False) -> str | None:
-    """What is wrong with --device, --threads and --dtype together (decode.py, bench.py and
-    lossy.py check them alike, before any weights load), or None."""
-    if device != "cpu" and not device.startswith("cuda"):
-        return f"--device takes cpu, cuda or cuda:N, got {device!r}"
-    if device.startswith("cuda"):
-        index = device.partition(":")[2]
-        if not torch.cuda.is_available():
-            return f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
-        if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
-            return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
-    cores = os.cpu_count() or 1
-    if threads != "auto" and not (threads.isdigit() and 1 <= int(threads) <= cores):
-        return f"--threads takes auto or a whole number from 1 to the {cores} cores here, got {threads}"
-    if dtype in ("int8", "int4") and (device != "cpu" or compiled):
-        return f"--dtype {dtype} runs on the CPU, uncompiled; use bfloat16 on a GPU"
-
-    return None
 
 
 # A bare --early-exit takes the threshold a draft's config.json records (`early_exit_threshold`,

@@ -24,11 +24,15 @@ import torch
 
 import model as M
 from checkpoints import (DEFAULT_DRAFTS, DEFAULT_TARGET, EARLY_EXIT_DEFAULT, HF_REPOS, ROOT, build_draft,
-                        compile_step, default_device, load_target, machine_problem, pick_threads, read_config,
-                        resolve_model, target_layout, wants_compile)
+                         read_config, resolve_model)
+from layouts import (compile_step, default_device, layout_reason, load_target, machine_problem, pick_threads,
+                     run_block_costs, target_layout, wants_compile, warn_if_blocks_inexact)
 from draft import AdaptiveDraft, NoDraft
 from tokenizer import load_tokenizer
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify, verify_tree
+
+
+DECODE_K = 5  # tokens drafted per step by default (report.py measures the same)
 
 
 @dataclass
@@ -307,7 +311,7 @@ def add_speculation_args(ap):
     g.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
                    help="'none' is plain autoregressive decoding (sampling at T > 0); default: greedy at "
                         "T = 0, lossless at T > 0")
-    g.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="tokens drafted per step")
+    g.add_argument("-k", "--num-draft-tokens", type=int, default=DECODE_K, help="tokens drafted per step")
     g.add_argument("--early-exit", nargs="?", const="auto", default=None,
                    type=lambda v: v if v == "auto" else float(v),
                    help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls "
@@ -446,6 +450,12 @@ def check_and_complete(ap, args):
         args.adaptive = args.draft == "lookup" and not args.tree
 
 
+def adaptive(draft, target, k: int) -> AdaptiveDraft:
+    """The draft with its length chosen each step by what a block costs on this machine, in the
+    run's layout (draft.AdaptiveDraft; layouts.block_costs)."""
+    return AdaptiveDraft(draft, *run_block_costs(target, k + 1))
+
+
 def make_verifier(name: str, temperature: float, **params) -> Verifier:
     """--verifier as a rule: 'none' (plain decoding) is the exact rule for the temperature, which
     with no draft draws every token from the target's warped distribution."""
@@ -506,15 +516,18 @@ def main(argv=None):
     for ids in encoded:
         check_request(context, len(ids), args.max_new_tokens, k, verifier, args.temperature)
     layout = target_layout(args.dtype, args.device, compiled, args.pack)
-    target, _ = load_target(str(path), args.device, layout, args.max_seq_len, block=k + 1)
+    target, _ = load_target(str(path), args.device, layout, args.max_seq_len)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     draft = None
     if args.verifier != "none":
         draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
                             generator=generator, early_exit=args.early_exit)
-        draft = AdaptiveDraft(draft) if args.adaptive else draft
+        draft = adaptive(draft, target, args.num_draft_tokens) if args.adaptive else draft
+        if not target.choice:
+            warn_if_blocks_inexact(target, args.num_draft_tokens + 1)
     step_fn = compile_step(target) if compiled else target
     args.layout = target.layout
+    print(f"[{layout_reason(target)}]", file=sys.stderr)
 
     show = TokenColours(args.show and sys.stdout.isatty())
     if show.on:

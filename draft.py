@@ -14,6 +14,7 @@ token) and DFlash (a block-diffusion drafter filling B-1 masked positions in one
 two wrappers of any draft: a hybrid with prompt lookup, and an adaptive draft length.
 """
 import math
+import time
 from typing import Protocol
 
 import torch
@@ -638,51 +639,70 @@ class HybridDraft:
 # Adaptive draft length: draft long where guesses are kept, pause where none are
 
 class AdaptiveDraft:
-    """Wraps any draft and sets each step's draft length from the last steps: +2 after a block
-    kept whole, the kept length + 1 after a rejection, and after two blocks in a row that kept
-    nothing a pause of 1, 2, 4 ... 16 steps with no drafting (a paused step costs what a plain
-    decoding step costs), until a block keeps a token again. The draft still sees every commit."""
+    """Wraps any draft and drafts, each step, the number of tokens that pays: the n maximizing
+    expected tokens per unit of time, (1 + a + ... + a^n) / cost[n], where a is the recent
+    acceptance rate of a drafted token (kept counts, decayed, from a prior of one half) and
+    cost[n] what a forward verifying n drafted tokens costs in one-token steps on this machine,
+    plus the draft's own time, measured as it runs (costs: layouts.block_costs). n = 0 is a plain decoding step: where no
+    length pays, the run decodes plainly, trying one drafted token after 1, 2, 4 ... 16 such
+    steps to learn whether drafting pays again. costs None (a GPU, where blocks cost about a
+    step) counts every block as one step. The draft still sees every commit."""
 
     MAX_PAUSE = 16
+    DECAY = 0.8  # weight of the past in the acceptance estimate, per drafted block
 
-    def __init__(self, draft):
+    def __init__(self, draft, costs: list | None = None, step_seconds: float | None = None):
         self.draft = draft
         self.target_layers = draft.target_layers
         self.max_tokens = draft.max_tokens
-        self.length = None  # set from the first step's k
-        self.misses = self.paused = 0
-        self.next_pause = 1
-        self.proposed = self.k_asked = 0  # the last step's drafted tokens, and the k it was asked for
+        self.costs, self.step_seconds = costs, step_seconds
+        self.kept, self.tried = 1.0, 2.0  # a prior of one half, worth two drafted tokens
+        self.draft_step = 0.0  # the draft's time per proposed token, in one-token target steps
+        self.paused, self.next_pause = 0, 1
+        self.proposed = 0
+        self.steps = self.drafting_steps = 0
 
     @property
     def forwards(self):
         return self.draft.forwards
 
     def start(self, prompt_ids, features=None):
+        """A new sequence: what was learned of the last one's acceptance is dropped."""
         self.draft.start(prompt_ids, features)
+        self.kept, self.tried = 1.0, 2.0
+        self.paused, self.next_pause = 0, 1
+
+    def best_length(self, k: int) -> int:
+        """The draft length in 0..k with the most expected tokens per one-token step of time."""
+        a = min(self.kept / self.tried, 0.999)
+        def rate(n):
+            cost = (self.costs[min(n, len(self.costs) - 1)] if self.costs else 1.0) + n * self.draft_step
+            return (1 - a ** (n + 1)) / (1 - a) / cost
+        return max(range(k + 1), key=rate)
 
     def propose(self, k: int):
         self.proposed = 0
-        if self.paused:
-            self.paused -= 1
-            return no_tokens()
-        self.length = k if self.length is None else min(self.length, k)
-        tokens, q = self.draft.propose(max(1, self.length))
-        self.proposed, self.k_asked = len(tokens), k
+        self.steps += 1
+        n = self.best_length(k)
+        if n == 0:
+            if self.paused:
+                self.paused -= 1
+                return no_tokens()
+            n, self.paused, self.next_pause = 1, self.next_pause, min(2 * self.next_pause, self.MAX_PAUSE)
+        else:
+            self.next_pause = 1
+        start = time.perf_counter()
+        tokens, q = self.draft.propose(n)
+        self.proposed = len(tokens)
+        if self.proposed and self.step_seconds:
+            per_token = (time.perf_counter() - start) / self.proposed / self.step_seconds
+            self.draft_step = self.DECAY * self.draft_step + (1 - self.DECAY) * per_token
+        self.drafting_steps += self.proposed > 0
         return tokens, q
 
     def commit(self, new_ids, n_accepted, features=None):
         self.draft.commit(new_ids, n_accepted, features)
         if not self.proposed:  # paused, or the draft declined: nothing learned about its guesses
             return
-        if n_accepted == self.proposed:
-            self.length = min(self.k_asked, self.length + 2)
-        else:
-            self.length = n_accepted + 1
-        if n_accepted:
-            self.misses, self.next_pause = 0, 1
-            return
-        self.misses += 1
-        if self.misses == 2:
-            self.misses, self.paused = 0, self.next_pause
-            self.next_pause = min(2 * self.next_pause, self.MAX_PAUSE)
+        self.kept = self.DECAY * self.kept + n_accepted
+        self.tried = self.DECAY * self.tried + n_accepted + (n_accepted < self.proposed)

@@ -45,8 +45,9 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, default_device,
-                        experiment_layout, load_target, machine_problem, pick_threads, resolve_model)
+from checkpoints import DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, resolve_model
+from layouts import default_device, experiment_layout, load_target, machine_problem, pick_threads
+
 from bench import shown, unwritable, write_results
 from decode import generate, read_jsonl, repo_path
 from sandbox import SandboxError, check_sandbox, run_untrusted

@@ -489,12 +489,13 @@ def quantize_int4(model: nn.Module) -> nn.Module:
     rest bf16, which the int4 kernel multiplies with. Quantize from fp32 weights: rounding them to
     bf16 first would move some of a GGUF weight's codes. The output head shares the embedding table
     (8-bit in the GGUF file, not 4) and stays bf16 in oneDNN's layout, as do layers whose inputs are
-    not a whole number of 32-input groups."""
+    not a whole number of 32-input groups or whose outputs are not a multiple of 16."""
     p = next(model.parameters())
     if p.device.type != "cpu":
         raise ValueError("int4 weights run on the CPU only; use bfloat16 on a GPU")
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and name != "lm_head" and child.in_features % INT4_GROUP == 0:
+            if type(child) is nn.Linear and name != "lm_head" and child.in_features % INT4_GROUP == 0 \
+                    and child.out_features % 16 == 0:  # (what torch's int4 packing takes)
                 setattr(module, name, Int4Linear(child))
     return attend_row_by_row(pack_for_cpu(model.to(torch.bfloat16)))

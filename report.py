@@ -1,7 +1,7 @@
 """
 The results report: every speed table README shows, measured again on the machine it runs on.
 
-    python report.py                  # about 30 minutes on 2 quiet cores
+    python report.py                  # measure again (README says how long it takes)
     python report.py --render-only    # README's table again from docs/results.json
 
 Two task sets with the embedded default target: Spec-Bench (one question per category: writing,
@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 
 import bench
+from decode import DECODE_K, repo_relative
 import model as M
-from checkpoints import (CPU_FEATURES, DATA, DEFAULT_TARGET, ROOT, load_target, pick_threads, resolve_model,
-                         write_atomically)
+from checkpoints import DATA, DEFAULT_TARGET, ROOT, resolve_model, write_atomically
+from layouts import CPU_FEATURES, load_target, machine_problem, pick_threads
+
 
 RESULTS = ROOT / "docs" / "results.json"
 README = ROOT / "README.md"
@@ -38,33 +40,28 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 GENERAL_DRAFT = "drafts/smollm2-135m-eagle3-vat"  # trained on general prompts
 GSM8K_DRAFT = "drafts/smollm2-135m-eagle3-gsm8k-2ep"  # trained on GSM8K-train answers
 
-# (label, temperatures, weights of the target, draft spec as bench takes it or None, transformers peer)
+# (label, temperatures, weights of the target, draft spec as bench takes it or None, transformers peer).
+# "auto" is decode.py's own weight layout, the one every run of decode.py on this machine uses; the
+# first row of each table is the baseline, `decode.py --verifier none`.
+PLAIN = ("plain decoding (decode.py --verifier none)", (0, 1), "auto", None, False)
+DEFAULT = ("decode.py's default: adaptive prompt lookup", (0, 1), "auto", "lookup@adapt", False)
 SPEC_BENCH_RUNS = [
-    ("plain decoding, fp32", (0, 1), "fp32", None, False),
-    ("plain decoding, bf16 weights", (0,), "bf16", None, False),
-    ("plain decoding, int8 weights", (0,), "int8", None, False),
-    ("plain decoding, int4 weights", (0,), "int4", None, False),
-    ("plain decoding, --dtype auto", (0, 1), "auto-plain", None, False),
-    ("transformers generate, fp32", (0, 1), None, None, True),
-    ("prompt lookup", (0, 1), "fp32", "lookup", False),
-    ("prompt lookup, int8 weights", (0,), "int8", "lookup", False),
-    ("prompt lookup, int4 weights", (0,), "int4", "lookup", False),
-    ("adaptive prompt lookup, --dtype auto (decode.py's default)", (0, 1), "auto-speculative", "lookup@adapt", False),
-    ("general EAGLE-3 draft, early exit", (0,), "fp32", f"{GENERAL_DRAFT}@ee", False),
-    ("lookup + GSM8K draft, early exit", (0, 1), "fp32", f"lookup+{GSM8K_DRAFT}@ee", False),
+    PLAIN,
+    ("plain decoding, fp32 weights", (0,), "fp32", None, False),
+    ("transformers generate, fp32", (0,), None, None, True),
+    DEFAULT,
+    ("prompt lookup, every step", (0,), "auto", "lookup", False),
+    ("general EAGLE-3 draft, early exit, adaptive", (0,), "auto", f"{GENERAL_DRAFT}@ee@adapt", False),
 ]
 GSM8K_RUNS = [
-    ("plain decoding, fp32", (0, 1), "fp32", None, False),
-    ("prompt lookup", (0, 1), "fp32", "lookup", False),
-    ("GSM8K draft", (0, 1), "fp32", GSM8K_DRAFT, False),
-    ("GSM8K draft, early exit", (0, 1), "fp32", f"{GSM8K_DRAFT}@ee", False),
-    ("lookup + GSM8K draft, early exit, adaptive k", (0, 1), "fp32", f"lookup+{GSM8K_DRAFT}@ee@adapt", False),
-    ("adaptive prompt lookup, --dtype auto (decode.py's default)", (0, 1), "auto-speculative", "lookup@adapt", False),
+    PLAIN,
+    DEFAULT,
+    ("prompt lookup, every step", (0,), "auto", "lookup", False),
+    ("GSM8K draft, every step", (0, 1), "auto", GSM8K_DRAFT, False),
+    ("GSM8K draft, early exit, adaptive", (0, 1), "auto", f"{GSM8K_DRAFT}@ee@adapt", False),
+    ("lookup + GSM8K draft, early exit, adaptive", (0,), "auto", f"lookup+{GSM8K_DRAFT}@ee@adapt", False),
 ]
-# load_target's layouts; the auto ones are timed on this machine, for one-token forwards (plain
-# decoding) and for k+1-token ones (speculation), as decode.py's default does
-WEIGHTS = {"fp32": "float32-packed", "bf16": "bfloat16-packed", "int8": "int8", "int4": "int4",
-           "auto-plain": "auto", "auto-speculative": "auto"}
+WEIGHTS = {"fp32": "float32-packed", "auto": "auto"}  # load_target's layouts
 
 
 def task_prompts(task: str, limit: int, tokenizer) -> list:
@@ -79,32 +76,29 @@ def task_prompts(task: str, limit: int, tokenizer) -> list:
 
 
 def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> tuple:
-    """bench.Run objects for a table, the fp32 plain run at each temperature the baseline, and
-    {run name: the layout its target ran in (what --dtype auto chose, for the auto runs)}."""
+    """bench.Run objects for a table, its first row the baseline at each temperature, and {run
+    name: the layout its target ran in}."""
     runs, layouts = [], {}
     for label, temperatures, weights, spec, peer in table:
         for t in temperatures:
-            name = "baseline" if (weights, spec) == ("fp32", None) else label
+            name = "baseline" if label == table[0][0] else label
             if peer:
                 runs.append(bench.Run(f"{name} T={t:g}", t, peer=bench.hf_peer(
                     resolve_model(DEFAULT_TARGET), "generate", k)))
                 layouts[runs[-1].name] = "transformers float32"
                 continue
             target = targets[weights]
-            draft = None if spec is None else bench.make_draft(spec, target, tokenizer, t, generator)
+            draft = None if spec is None else bench.make_draft(spec, target, tokenizer, t, generator, k)
             runs.append(bench.Run(f"{name} T={t:g}", t, target, draft))
             layouts[runs[-1].name] = target.layout
     return runs, layouts
 
 
 def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> tuple:
-    """Load the target in each weight layout, run every table: (tasks' results, the auto layouts)."""
+    """Load the target in each weight layout, run every table: (tasks' results, auto's decision)."""
     targets = {}
     for key, layout in WEIGHTS.items():
-        block = k + 1 if key == "auto-speculative" else 1
-        targets[key], tokenizer = load_target(DEFAULT_TARGET, "cpu", layout, 4096, block)
-    auto = {key: {"block": k + 1 if key == "auto-speculative" else 1, "layout": t.layout, "ms": t.layout_ms}
-            for key, t in targets.items() if key.startswith("auto")}
+        targets[key], tokenizer = load_target(DEFAULT_TARGET, "cpu", layout, 4096)
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for task, (table, limit) in tasks.items():
@@ -113,42 +107,76 @@ def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> tuple:
         prompts = task_prompts(task, limit, tokenizer)
         records = bench.interleave(runs, prompts, k, max_new_tokens, tokenizer.stop_ids, generator, "cpu",
                                    warmup=1, desc=f"{task} (prompts)")
-        labels = {run.name: run.name.replace("baseline", table[0][0]).replace(
-            "--dtype auto", f"--dtype auto = {layouts[run.name]}") for run in runs}
+        labels = {run.name: run.name.replace("baseline", table[0][0]) for run in runs}
         out[task] = {"prompts": len(prompts), "labels": labels, "layouts": layouts,
                      "summary": bench.summarize(records, {run.name: run.temperature for run in runs}),
                      "seconds": time.perf_counter() - t0, "runs": records}
-    return out, auto
+    return out, targets["auto"].choice
 
 
 def render(results: dict) -> str:
     """README's results section, from the results file alone."""
+    for key in ("machine", "tasks", "command", "k", "max_new_tokens"):
+        if key not in results:
+            raise ValueError(f"the results file holds no {key!r}: is it one report.py wrote?")
     m = results["machine"]
     features = ", ".join(m["cpu_features"]) or "none of " + ", ".join(CPU_FEATURES)
     lines = [BEGIN,
              f"Measured by `{results['command']}` on {m['cpu']} ({features}), {m['cores']} cores, "
-             f"{m['threads']} threads, torch {m['torch']}, commit {m['commit']}, {m['date']}; "
-             f"raw numbers in `docs/results.json`. Up to {results['max_new_tokens']} new tokens per prompt, "
-             f"k = {results['k']}. tokens/s counts the prompt's prefill; speedup is the median over prompts of "
-             f"the ratio to plain fp32 decoding at the same temperature on the same prompt (interquartile range "
-             f"in brackets); tau is tokens per target forward.", ""]
-    auto = results.get("auto_layouts", {})
-    if auto:
-        chosen = "; ".join(f"{a['layout']} for {a['block']}-token forwards ("
-                           + ", ".join(f"{layout} {ms:.1f} ms" for layout, ms in a["ms"].items()) + ")"
-                           for a in auto.values())
-        lines += [f"`--dtype auto` timed the weight layouts on this machine and chose {chosen}.", ""]
+             f"{m['threads']} threads, torch {m['torch']}, commit {m['commit']}, {m['date']}; raw numbers in "
+             f"`{results.get('out', 'docs/results.json')}`. Up to {results['max_new_tokens']} new tokens per "
+             f"prompt, k = {results['k']} (decode.py's default). tokens/s counts the prompt's prefill; speedup "
+             f"is the median over prompts of the ratio to plain decoding (`decode.py --verifier none`) at the "
+             f"same temperature on the same prompt (interquartile range in brackets); tau is tokens per target "
+             f"forward; exact counts the prompts on which a T = 0 run printed plain decoding's tokens.", ""]
+    choice = results.get("auto_choice") or {}
+    if choice.get("ms"):
+        others = ", ".join(f"{layout} {ms:.1f}" for layout, ms in choice["ms"].items() if layout != choice["layout"])
+        blocks = choice.get("blocks_ms", {})
+        cost = f"; there a block of {results['k'] + 1} tokens costs {blocks[str(results['k'] + 1)] / blocks['1']:.1f} " \
+               f"one-token steps" if str(results["k"] + 1) in blocks and "1" in blocks else ""
+        lines += [f"`--dtype auto` runs every forward of every run in {choice['layout']} on this machine, the "
+                  f"fastest one-token step of the layouts whose blocks are exact (estimated "
+                  f"{choice['ms'][choice['layout']]:.1f} ms; {others}){cost}.", ""]
     for task, table in results["tasks"].items():
         lines += [f"**{task}** ({table['prompts']} prompt{'s' if table['prompts'] > 1 else ''})", "",
-                  "| run | T | tau | tokens/s | speedup |", "|---|---|---|---|---|"]
+                  "| run | T | tau | tokens/s | speedup | exact |", "|---|---|---|---|---|---|"]
         for name, s in sorted(table["summary"].items(), key=lambda item: item[1]["temperature"]):
             label = table["labels"][name].rsplit(" T=", 1)[0]
             tau = f"{s['tau']:.2f}" if s["tau"] else "-"
             lo, hi = s["speedup_iqr"]
+            exact = f"{s['prompts_with_the_baseline_tokens']}/{table['prompts']}" \
+                if s["temperature"] == 0 and s["tau"] else "-"
             lines.append(f"| {label} | {s['temperature']:g} | {tau} | {s['tokens_per_s_median']:.1f} | "
-                         f"{s['speedup_median']:.2f}x ({lo:.2f}-{hi:.2f}) |")
+                         f"{s['speedup_median']:.2f}x ({lo:.2f}-{hi:.2f}) | {exact} |")
         lines.append("")
     return "\n".join(lines + [END])
+
+
+def shown_command(argv: list) -> str:
+    """The command line as README shows it: its settings, not where this machine kept its files."""
+    shown, i = [], 0
+    while i < len(argv):
+        if argv[i] in ("--out", "--readme"):
+            i += 2
+            continue
+        if not argv[i].startswith(("--out=", "--readme=")):
+            shown.append(argv[i])
+        i += 1
+    return " ".join(["python report.py", *shown])
+
+
+def read_results(path: Path) -> dict:
+    """A results file report.py wrote; anything else is a one-line error."""
+    if not path.is_file():
+        raise ValueError(f"results file not found: {path} (run python report.py first)")
+    try:
+        results = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    if not isinstance(results, dict):
+        raise ValueError(f"{path} holds no report (a JSON object report.py wrote)")
+    return results
 
 
 def write_readme_table(results: dict, readme: Path):
@@ -162,13 +190,14 @@ def write_readme_table(results: dict, readme: Path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Regenerate README's results on this machine (about 30 minutes on "
-                                             "2 quiet cores): docs/results.json and the table it renders to.")
+    ap = argparse.ArgumentParser(description="Regenerate README's results on this machine: "
+                                             "docs/results.json and the table it renders to.")
     ap.add_argument("--render-only", action="store_true", help="rewrite README's table from the results file")
     ap.add_argument("--spec-bench", type=int, default=13, help="Spec-Bench prompts (one per category, in order)")
     ap.add_argument("--gsm8k", type=int, default=20, help="GSM8K test questions, from the end of the file")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("-k", "--num-draft-tokens", type=int, default=7)
+    ap.add_argument("-k", "--num-draft-tokens", type=int, default=DECODE_K,
+                    help="tokens drafted per step (default: decode.py's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", default="auto", help="as decode.py's; measure with nothing else busy")
     ap.add_argument("--out", default=str(RESULTS), help="the results file")
@@ -176,9 +205,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if min(args.spec_bench, args.gsm8k, args.max_new_tokens, args.num_draft_tokens) < 1:
         ap.error("--spec-bench, --gsm8k, --max-new-tokens and -k must be >= 1")
+    problem = machine_problem("cpu", args.threads, None)
+    if problem:
+        ap.error(problem)
     out, readme = Path(args.out), Path(args.readme)
     if args.render_only:
-        write_readme_table(json.loads(out.read_text()), readme)
+        write_readme_table(read_results(out), readme)
         return
     problem = bench.unwritable(out)
     if problem:
@@ -188,10 +220,9 @@ def main(argv=None):
     t0 = time.perf_counter()
     tasks, auto = measure({"Spec-Bench": (SPEC_BENCH_RUNS, args.spec_bench), "GSM8K test": (GSM8K_RUNS, args.gsm8k)},
                           args.max_new_tokens, args.num_draft_tokens, args.seed)
-    command = "python report.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    results = {"command": command, "machine": machine, "max_new_tokens": args.max_new_tokens,
-               "k": args.num_draft_tokens, "seed": args.seed, "seconds": time.perf_counter() - t0,
-               "auto_layouts": auto, "tasks": tasks}
+    results = {"command": shown_command(argv if argv is not None else sys.argv[1:]), "machine": machine,
+               "out": repo_relative(out), "max_new_tokens": args.max_new_tokens, "k": args.num_draft_tokens,
+               "seed": args.seed, "seconds": time.perf_counter() - t0, "auto_choice": auto, "tasks": tasks}
     bench.write_results(out, results)
     write_readme_table(results, readme)
     print(render(results))

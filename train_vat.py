@@ -39,9 +39,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import model as M
-from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_dirs, default_device, draft_kind,
-                         experiment_layout, latest_checkpoint, load_draft, load_model, load_target, machine_problem,
-                         read_config, read_log, resolve_model, save_checkpoint, save_draft, start_processes)
+from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_dirs, draft_kind,
+                         latest_checkpoint, load_draft, load_model, read_config, read_log, resolve_model,
+                         save_checkpoint, save_draft)
+from layouts import default_device, experiment_layout, load_target, machine_problem, start_processes
+
 from corpus import (DEFAULT_DATA, Corpus, batches, build_corpus, build_dataset, corpus_batches, corpus_layers,
                     Recipe, data_sources, draft_vocabulary, length_groups)
 from decode import generate, repo_path

@@ -12,7 +12,8 @@ import torch
 # start) keep theirs in a file of this session, not in the user's cache
 os.environ["SPECDEC_LAYOUT_CACHE"] = str(Path(tempfile.mkdtemp(prefix="layouts-")) / "layouts.json")
 
-import checkpoints as CK  # noqa: E402
+import checkpoints as CK
+import layouts as LY  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -91,7 +92,7 @@ def smollm2_dir():
 def default_int4(smollm2_dir):
     """(target, tokenizer): the default target in int4, loaded once for the tests that decode with it
     (each generate() call writes its sequence's cache from position 0, so they can share it)."""
-    return CK.load_target(str(smollm2_dir), "cpu", "int4", 512)
+    return LY.load_target(str(smollm2_dir), "cpu", "int4", 512)
 
 
 @pytest.fixture

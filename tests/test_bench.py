@@ -10,7 +10,8 @@ import torch
 
 import bench
 import model as M
-from checkpoints import CPU_FEATURES, ROOT
+from checkpoints import ROOT
+from layouts import CPU_FEATURES
 
 
 
@@ -44,7 +45,7 @@ def test_quick_run_is_consistent(tmp_path):
     # greedy speculative decoding changes nothing but speed: the same tokens as the baseline
     assert [r["tokens"] for r in runs["lookup greedy T=0"]] == [r["tokens"] for r in runs["baseline T=0"]]
     assert speed["lookup greedy T=0"]["prompts_with_the_baseline_tokens"] == 2
-    assert result["config"]["layout"] == "float32-packed" and result["config"]["layout_ms"] == {}
+    assert result["config"]["layout"] == "float32-packed" and result["config"]["layout_choice"] == {}
     assert all(len(r["tokens"]) == r["new_tokens"] > 0 for rs in runs.values() for r in rs)
     assert all(Path(p).is_file() for p in result["plots"])
     machine = result["machine"]  # what it was measured on
@@ -211,9 +212,9 @@ def test_llama_cpp_is_an_optional_peer(smollm2_dir, monkeypatch, capsys):
 def test_step_profile_counts_the_matmuls_and_attention_of_a_forward(tiny_dir):
     """--profile-step: per block size, one matmul per Linear (4 a layer, and the head), one
     attention per layer, or one per query where blocks attend row by row (int4)."""
-    import checkpoints as CK
+    import layouts as LY
     for layout, rows in (("float32", 1), ("int4", 8)):
-        target = CK.build_target(tiny_dir("llama3"), layout, "cpu", 128)
+        target = LY.build_target(tiny_dir("llama3"), layout, "cpu", 128)
         profile = bench.step_profile(target, blocks=(1, 8), context=16)
         assert set(profile) == {1, 8}
         for n, r in profile.items():

@@ -9,7 +9,8 @@ import torch
 
 import checkpoints as CK
 import model as M
-from checkpoints import ROOT, compile_step
+from checkpoints import ROOT
+from layouts import compile_step
 from decode import generate
 from draft import LookupDraft, ModelDraft
 from verify import Verifier, probs_from_logits
@@ -158,7 +159,7 @@ def test_default_target_in_coarse_layouts_decodes_exactly_like_itself(smollm2_di
     decoding bit for bit (verification blocks attend row by row, and the matmuls are exact per row;
     with blocks attending at once, bf16 parted from plain decoding on 8 of 13 Spec-Bench questions).
     bf16's matmuls are the CPU's: where they are not exact per row, auto never verifies in bf16."""
-    from checkpoints import blocks_match_steps, load_target
+    from layouts import blocks_match_steps, load_target
     from tokenizer import load_tokenizer
     target, tokenizer = request.getfixturevalue("default_int4") if layout == "int4" else \
         load_target(str(smollm2_dir), "cpu", layout, 512)
@@ -242,7 +243,7 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
 def test_auto_threads_leave_a_busy_core_alone():
     """--threads auto counts the cores nothing else uses: a busy process beside us takes one away."""
     import os
-    from checkpoints import pick_threads
+    from layouts import pick_threads
     assert pick_threads("3") == 3
     if (os.cpu_count() or 1) < 2 or torch.get_num_threads() < 2:
         pytest.skip("needs two cores")
@@ -256,22 +257,86 @@ def test_auto_threads_leave_a_busy_core_alone():
         busy.wait()
 
 
+BLOCK_COSTS = [1.0, 1.3, 1.5, 1.7, 1.9, 2.1, 2.3]  # a CPU's: a block of n + 1 tokens in one-token steps
+
+
 @pytest.mark.parametrize("which", ["wrong", "right"])
 def test_adaptive_draft_length_pauses_where_nothing_is_kept(tiny, which):
     """The adaptive wrapper changes nothing but how much is drafted: greedy still equals plain;
-    a draft that is never right is paused for longer and longer (few drafted tokens), a draft that
-    is always right drafts the full k."""
+    a draft that is never right soon drafts nothing but a probe after 1, 2, 4 ... 16 plain steps,
+    a draft that is always right drafts the full k."""
     from draft import AdaptiveDraft
     target = load(tiny)
     prompt = [5, 17, 3, 5, 17, 3, 5, 17, 3, 42, 8]
     plain = generate(target, prompt, max_new_tokens=60)
     inner = WrongDraft(load(tiny)) if which == "wrong" else ModelDraft(load(tiny))
-    spec = generate(target, prompt, AdaptiveDraft(inner), Verifier("greedy"), k=6, max_new_tokens=60)
+    spec = generate(target, prompt, AdaptiveDraft(inner, BLOCK_COSTS), Verifier("greedy"), k=6, max_new_tokens=60)
     assert spec["tokens"] == plain["tokens"]
     if which == "wrong":
-        # drafts 6, 5 (two misses) -> pause 1 -> 1, 1 -> pause 2 -> 1, 1 -> pause 4 ... : 6 + 5 + 1 + 1 + ...
-        assert spec["drafted_tokens"] <= 6 + 5 + 2 * 4 and spec["tau"] == 1.0
+        # 2 (the prior's best length), 1, then a one-token probe after 0, 1, 2, 4, 8, 16, 16 plain steps
+        assert spec["drafted_tokens"] <= 2 + 1 + 7 and spec["tau"] == 1.0
         assert spec["target_forwards"] == 60
     else:
         assert spec["accepted_per_position"] == [1.0] * 6
-        assert spec["target_forwards"] <= -(-60 // 7) + 2
+        assert spec["target_forwards"] <= -(-60 // 7) + 4  # (a few short blocks while it learns)
+
+
+def test_adaptive_length_weighs_acceptance_against_what_a_block_costs():
+    """The best length maximizes expected tokens per one-token step of time: nothing when blocks
+    cost more than acceptance returns, longer blocks as acceptance rises or blocks get cheaper."""
+    from draft import AdaptiveDraft, LookupDraft
+    adaptive = AdaptiveDraft(LookupDraft(), BLOCK_COSTS)
+    for kept, tried, best in ((0.1, 1.0, 0), (0.5, 1.0, 2), (0.9, 1.0, 6)):
+        adaptive.kept, adaptive.tried = kept, tried
+        assert adaptive.best_length(6) == best
+    adaptive.costs = None  # a block costs a step (a GPU): any acceptance pays for the full k
+    adaptive.kept, adaptive.tried = 0.1, 1.0
+    assert adaptive.best_length(6) == 6
+    adaptive.costs, adaptive.draft_step = BLOCK_COSTS, 0.5  # a slow draft pays for its own time too
+    adaptive.kept, adaptive.tried = 0.5, 1.0
+    assert adaptive.best_length(6) == 0
+
+
+LIST_PROMPT = ("Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, "
+               "kappa.")
+
+
+def decode_json(argv, capsys) -> dict:
+    """decode.py's main in this process: its JSON line."""
+    import decode
+    capsys.readouterr()
+    decode.main(["--prompt", LIST_PROMPT, "--max-new-tokens", "40", "--json"] + argv)
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def plain_default():
+    """`decode.py --verifier none` on the default target with default settings: the tokens every
+    other command line must print at T = 0."""
+    import contextlib
+    import io
+
+    import decode
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        decode.main(["--prompt", LIST_PROMPT, "--max-new-tokens", "40", "--json", "--verifier", "none"])
+    return json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv", [
+    [],  # the default: adaptive prompt lookup
+    ["--no-adaptive"],
+    ["--tree", "8"],
+    ["--draft", "drafts/smollm2-135m-eagle3-vat", "--early-exit"],
+    ["--draft", "drafts/smollm2-135m-eagle3-gsm8k-2ep", "--tree", "16"],
+    ["--draft", "drafts/smollm2-135m-eagle3-gsm8k", "--adaptive"],
+    ["--draft", "drafts/smollm2-135m-dflash-gsm8k"],
+    ["--draft", "lookup+drafts/smollm2-135m-eagle3-gsm8k-2ep", "--early-exit", "--adaptive"],
+], ids=lambda argv: " ".join(argv) or "default")
+def test_every_command_line_prints_plain_decodings_tokens(argv, plain_default, capsys):
+    """A run has one model: with default settings decode.py, with any committed draft, chains or
+    trees, prints at T = 0 the tokens `decode.py --verifier none` prints, in the same layout."""
+    result = decode_json(argv, capsys)
+    assert result["layout"] == plain_default["layout"]
+    assert result["tokens"] == plain_default["tokens"], result["text"]
+    assert result["target_forwards"] <= plain_default["target_forwards"]

@@ -133,7 +133,8 @@ def test_greedy_follows_the_argmax_down_the_tree():
 # -----------------------------------------------------------------------------
 # The target's tree attention: each node's row is its own path's one-token step
 
-import checkpoints as CK  # noqa: E402
+import checkpoints as CK
+import layouts as LY  # noqa: E402
 from decode import generate, tree_depths  # noqa: E402
 from draft import Eagle3Draft, HybridDraft, LookupDraft  # noqa: E402
 from test_emits import (FRESH, REPEATING, T, assert_fits, continuation_distribution, index_of,  # noqa: E402
@@ -159,7 +160,7 @@ def test_tree_rows_are_their_paths_one_token_steps(tiny_dir, layout):
     """Every row of a tree block against one-token steps down that row's path (bit for bit where
     the layout attends row by row, as for chains); then keep_path leaves the cache as the
     accepted path's one-token steps would."""
-    m = CK.build_target(tiny_dir("qwen3_untied"), layout, "cpu", 256)
+    m = LY.build_target(tiny_dir("qwen3_untied"), layout, "cpu", 256)
     torch.manual_seed(0)
     context = torch.randint(0, 97, (1, 200))
     nodes = torch.randint(0, 97, (len(PARENTS),))

@@ -1,0 +1,476 @@
+"""
+A target ready to run on this machine: its weight layout, threads and compilation.
+
+A run has one model. `--dtype auto` picks one weight layout per CPU, torch version, thread count
+and model, and every forward of the run uses it: plain one-token steps, verification blocks, trees
+and the prefill. So greedy speculation emits plain decoding's tokens bit for bit, and a run that
+drafts can always fall back to the plain step at the plain step's speed.
+
+The choice is made by measurement, on a probe: a model of the target's first four layers with its
+real embedding and head, built once in each candidate layout (never a copy of the whole model, so
+an 8B target is chosen for within its own footprint). A forward of the whole model is estimated as
+head + n_layer * (one layer), both timed on the probe. auto takes the candidate whose one-token
+step is fastest among those whose blocks give the bits of one-token steps here: every speculative
+run pauses into one-token steps where drafting does not pay (draft.AdaptiveDraft), so the plain
+step's speed is what it can never fall below. The same probe then times blocks of 1..16 tokens in
+the chosen layout: the table AdaptiveDraft weighs a block's cost against its expected tokens with.
+
+Decisions are kept in LAYOUT_CACHE, whole (written atomically) and only when nothing else kept a
+core busy while they were timed.
+"""
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import model as M
+from checkpoints import cache_dir, load_model, read_config, resolve_model, write_atomically
+from tokenizer import load_tokenizer
+
+# -----------------------------------------------------------------------------
+# Device, threads, compilation
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def idle_cores(seconds: float = 0.25) -> float | None:
+    """How many cores the rest of the machine leaves idle right now (Linux /proc/stat); None where
+    that cannot be read."""
+    def sample():
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, all
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (os.cpu_count() or 1) * (idle1 - idle0) / max(total1 - total0, 1e-9)
+
+
+def machine_is_quiet() -> bool:
+    """Whether every core is idle right now: a timing made otherwise is used but never kept."""
+    idle = idle_cores()
+    return idle is not None and idle >= (os.cpu_count() or 1) - 0.5
+
+
+def pick_threads(flag: str) -> int:
+    """--threads N, or auto: one per core that nothing else is using. OpenMP threads spin while they
+    wait for each other, so a thread that shares its core with a busy process stalls them all."""
+    if flag != "auto":
+        return max(1, int(flag))
+    idle = idle_cores()
+    return torch.get_num_threads() if idle is None else max(1, min(torch.get_num_threads(), round(idle)))
+
+
+def start_processes(device: str):
+    """(device, rank, world): one process, or one of several launched by torchrun (DDP)."""
+    if "RANK" not in os.environ:
+        return device, 0, 1
+    import torch.distributed as dist
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def wants_compile(flag: str, device: str) -> bool:
+    """--compile auto|on|off: auto compiles on CUDA only (on CPU the packed eager model is faster)."""
+    return flag == "on" or (flag == "auto" and device.startswith("cuda"))
+
+
+def compile_step(target, mode: str = "default"):
+    """torch.compile the target's forward. It then attends the whole cache, so each block length is
+    one static graph. On a CPU inductor freezes the weights (folds them into the graph as constants)
+    and fuses the small ops between the matmuls; it cannot compile our packed weights, so the target
+    must be unpacked. On CUDA, mode "reduce-overhead" adds CUDA graphs."""
+    target.attend_full_cache = True
+    if target.embed_tokens.weight.device.type == "cpu":
+        return torch.compile(target, dynamic=False, options={"freezing": True})
+    return torch.compile(target, dynamic=False, mode=mode)
+
+
+# -----------------------------------------------------------------------------
+# The layouts
+
+# "-packed": oneDNN's blocked layout (model.PackedLinear). Coarse layouts (bf16, int8, int4) attend
+# verification blocks row by row, so greedy speculation stays exact (model.py). int8 and int4
+# change the model (README: their cost in quality) and are opt-in, except that int4 is a candidate
+# for --dtype auto where the weights already are 4-bit codes in groups of 32 at their source (the
+# embedded GGUF target): there it changes only the rounding of the scales.
+LAYOUTS = ("float32-packed", "float32", "bfloat16-packed", "bfloat16", "float16", "int8", "int4")
+# (tests point it elsewhere, so that their tiny models leave no entries in a user's cache)
+LAYOUT_CACHE = Path(os.environ.get("SPECDEC_LAYOUT_CACHE") or cache_dir() / "layouts.json")
+PROBE_LAYERS = 4
+BLOCKS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # the block sizes timed; others are interpolated
+
+
+def layout_dtype(layout: str) -> torch.dtype:
+    """The dtype a model is loaded in before `layout` is applied (int8 and int4 quantize from fp32)."""
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(layout.removesuffix("-packed"), torch.float32)
+
+
+def apply_layout(model: M.Transformer, layout: str, device: str) -> M.Transformer:
+    """Put a model just loaded in layout_dtype(layout) into `layout` (in place)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown weight layout {layout!r}; one of {', '.join(LAYOUTS)}")
+    if layout == "int8":
+        M.quantize_int8(model)
+    elif layout == "int4":
+        M.quantize_int4(model)  # from the fp32 weights, then the rest in bf16
+    elif layout.endswith("-packed"):
+        M.pack_for_cpu(model)
+    if layout.startswith("bfloat16") and device == "cpu":
+        M.attend_row_by_row(model)
+    model.layout = layout
+    return model
+
+
+def build_target(path: Path, layout: str, device: str, max_seq_len: int, n_layer: int | None = None):
+    """The model at `path` in `layout` (its first n_layer layers only, for a probe), caches
+    allocated, ready for inference."""
+    target = apply_layout(load_model(path, layout_dtype(layout), device, n_layer), layout, device)
+    target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))  # in the final dtype
+    return target
+
+
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_description() -> dict:
+    """The CPU's model name and which of the features that decide the fastest weight layout it has."""
+    import platform
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
+            "cpu_features": [f for f in CPU_FEATURES if f in flags]}
+
+
+def int4_fits(config: dict) -> bool:
+    """Whether the int4 kernel can take the model's matmuls: inputs in whole groups of 32 and
+    outputs in multiples of 16 (torch's packing), for the layers' widths."""
+    dim, hidden = config.get("hidden_size", 0), config.get("intermediate_size", 0)
+    heads, kv = config.get("num_attention_heads", 1), config.get("num_key_value_heads") or config.get(
+        "num_attention_heads", 1)
+    head_dim = config.get("head_dim") or dim // max(heads, 1)
+    return all(isinstance(v, int) and v > 0 for v in (dim, hidden)) and dim % M.INT4_GROUP == 0 and \
+        hidden % M.INT4_GROUP == 0 and (heads * head_dim) % M.INT4_GROUP == 0 and (heads + 2 * kv) * head_dim % 16 == 0
+
+
+def layout_candidates(path: Path) -> list:
+    """The layouts --dtype auto times on this CPU: fp32 and, where oneDNN has bf16 kernels here,
+    bf16, each packed and not; int4 where the weights are 4-bit at their source."""
+    candidates = ["float32-packed", "float32"]
+    if M.packable(torch.bfloat16):
+        candidates += ["bfloat16-packed", "bfloat16"]
+        config = read_config(path)
+        if config.get("source_quantization", {}).get("group_size") == M.INT4_GROUP and int4_fits(config):
+            candidates.append("int4")
+    return candidates
+
+
+def layout_problem(path: Path, layout: str) -> str | None:
+    """Why the model at `path` cannot run in `layout`, or None."""
+    if layout == "int4" and not int4_fits(read_config(path)):
+        return (f"--dtype int4 needs layer widths in multiples of {M.INT4_GROUP} (the model at {path} has "
+                f"hidden_size {read_config(path).get('hidden_size')}, intermediate_size "
+                f"{read_config(path).get('intermediate_size')}): use another --dtype")
+    return None
+
+
+# -----------------------------------------------------------------------------
+# Timing
+
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (Linux sysfs), or 64 MiB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        if text[:-1].isdigit():
+            sizes.append(int(text[:-1]) << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0))
+    return max(sizes, default=64 << 20)
+
+
+def step_seconds(target: M.Transformer, block: int, seconds: float = 0.3, cold: bool = False) -> float:
+    """Median wall time of a forward of `block` new tokens after a 64-token context (rewritten in
+    place each time, as a rejected speculative block is), over about `seconds` of steps. cold:
+    read a buffer four times the CPU's largest cache before each forward, so a small model's
+    weights come from memory as a whole model's do (a probe's two layers would otherwise stay in
+    cache between steps, and the layouts that read the most bytes would look cheap)."""
+    context = min(64, target.max_seq_len - block)
+    tokens = torch.randint(0, target.args.vocab_size, (1, context + block))
+    positions = torch.arange(context + block)
+    flush = torch.ones(min(4 * last_level_cache_bytes(), 1 << 30) // 4) if cold else None
+    with torch.no_grad():
+        target(tokens[:, :context], positions[:context])
+        for _ in range(2):  # first calls allocate and pick kernels
+            target(tokens[:, context:], positions[context:])
+        times, spent = [], time.perf_counter()
+        while len(times) < 5 or (time.perf_counter() - spent < seconds and len(times) < 50):
+            if flush is not None:
+                flush.sum()
+            start = time.perf_counter()
+            target(tokens[:, context:], positions[context:])
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def estimated_ms(probe: M.Transformer, n_layer: int, block: int) -> float:
+    """Milliseconds of a whole model's forward of `block` tokens, from its probe: the probe without
+    its layers (embedding, norm, head), plus n_layer times what one of its layers adds."""
+    layers = probe.layers
+    try:
+        probe.layers = torch.nn.ModuleList()
+        head = step_seconds(probe, block, cold=True)
+        probe.layers = layers
+        with_layers = step_seconds(probe, block, cold=True)
+    finally:
+        probe.layers = layers
+    per_layer = max(with_layers - head, 0.0) / len(layers)
+    return round(1e3 * (head + n_layer * per_layer), 3)
+
+
+# A layout that rounds activations coarsely (bf16, int4) keeps greedy speculation exact only if a
+# verification block gets the bits of one-token steps. Its attention is made so (row by row), but
+# its matmuls are the CPU's: on some CPUs oneDNN's bf16 kernels sum a long row in another order for
+# one row than for eight, and greedy speculation then parts from plain decoding. fp32's matmuls
+# differ there by 2^-24 relative, which has not changed a token in any test or report run.
+EXACT_LAYOUTS = ("bfloat16-packed", "bfloat16", "int8", "int4")
+
+
+def blocks_match_steps(target: M.Transformer, block: int, trials: int = 3) -> bool:
+    """Whether forwards of `block` tokens give bit for bit the logits of `block` one-token steps,
+    on random tokens after a 64-token context, here (this CPU, its thread count)."""
+    context = min(64, target.max_seq_len - block)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(trials):
+            tokens = torch.randint(0, target.args.vocab_size, (1, context + block), generator=generator)
+            positions = torch.arange(context + block)
+            target(tokens[:, :context], positions[:context])
+            whole, _ = target(tokens[:, context:], positions[context:])
+            steps = [target(tokens[:, i:i + 1], positions[i:i + 1])[0] for i in range(context, context + block)]
+            if not torch.equal(whole, torch.cat(steps, 1)):
+                return False
+    return True
+
+
+def inexact_blocks(probe: M.Transformer) -> list:
+    """The block sizes (of BLOCKS) whose rows do not give the bits of one-token steps, where the
+    layout promises them (EXACT_LAYOUTS); [] for the others."""
+    if probe.layout not in EXACT_LAYOUTS:
+        return []
+    return [b for b in BLOCKS[1:] if not blocks_match_steps(probe, b, trials=1)]
+
+
+# -----------------------------------------------------------------------------
+# The decision, made once per machine and model, and kept
+
+def cache_key(path: Path, what: str) -> str:
+    cpu = cpu_description()
+    return " | ".join([cpu["cpu"], ",".join(cpu["cpu_features"]), f"torch {torch.__version__}",
+                       f"{torch.get_num_threads()} threads", str(Path(path).resolve()), what])
+
+
+def read_cache() -> dict:
+    """The kept decisions; an unreadable cache is named and treated as empty (then rewritten)."""
+    try:
+        cache = json.loads(LAYOUT_CACHE.read_text()) if LAYOUT_CACHE.exists() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not JSON"
+        print(f"note: {LAYOUT_CACHE} is unreadable ({why}): measuring the weight layouts again", file=sys.stderr)
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def keep(key: str, entry: dict, quiet: bool):
+    """Add a decision to the cache if it was timed on a quiet machine; a cache that cannot be
+    written is named, and the run goes on with the decision it made."""
+    if not quiet:
+        print("note: another process kept a core busy while the weight layouts were timed: the choice "
+              "is used for this run only", file=sys.stderr)
+        return
+    cache = read_cache()
+    cache[key] = entry
+    try:
+        LAYOUT_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(LAYOUT_CACHE, json.dumps(cache, indent=1))
+    except OSError as e:
+        print(f"note: the layout choice could not be kept in {LAYOUT_CACHE} ({e.strerror}): "
+              f"it is used for this run only", file=sys.stderr)
+
+
+def valid_ms(table) -> bool:
+    return isinstance(table, dict) and bool(table) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        for v in table.values())
+
+
+def valid_choice(entry) -> bool:
+    """A whole decision: a known layout, the one-token times behind it, the block table."""
+    return isinstance(entry, dict) and entry.get("layout") in LAYOUTS and valid_ms(entry.get("ms")) \
+        and isinstance(entry.get("inexact"), list) and valid_ms(entry.get("blocks_ms")) \
+        and all(str(b) in entry["blocks_ms"] for b in BLOCKS)
+
+
+def choose_layout(path: Path, max_seq_len: int) -> dict:
+    """{layout, ms, inexact, blocks_ms}: the layout of this machine's runs of the model at `path`,
+    the estimated one-token step of each candidate (ms), the candidates whose blocks part from
+    one-token steps here (inexact), and the chosen layout's estimated forward of each block size
+    (blocks_ms). Measured once on probes (see the module docstring), then read from LAYOUT_CACHE."""
+    key = cache_key(path, "layout")
+    known = read_cache().get(key)
+    if valid_choice(known):
+        return known
+    n_layer = int(read_config(path).get("num_hidden_layers") or 1)
+    quiet = machine_is_quiet()
+    ms, inexact, fastest = {}, [], None
+    context = min(max_seq_len, 64 + max(BLOCKS))
+    for layout in tqdm(layout_candidates(path), desc="timing weight layouts (once per CPU)", file=sys.stderr):
+        probe = build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS)
+        ms[layout] = estimated_ms(probe, n_layer, 1)
+        if inexact_blocks(probe):
+            inexact.append(layout)
+        elif fastest is None or ms[layout] < ms[fastest.layout]:
+            fastest = probe  # (only the fastest exact probe is kept alive)
+        del probe
+    best, probe = fastest.layout, fastest
+    blocks_ms = {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS}
+    if inexact:
+        print(f"note: on this CPU {', '.join(inexact)} blocks do not give the bits of one-token steps "
+              f"(greedy speculation would part from plain decoding): not chosen", file=sys.stderr)
+    entry = {"layout": best, "ms": ms, "inexact": inexact, "blocks_ms": blocks_ms,
+             "date": time.strftime("%Y-%m-%d")}
+    keep(key, entry, quiet and machine_is_quiet())
+    return entry
+
+
+def block_table(path: Path, layout: str, max_seq_len: int) -> dict:
+    """{block size: estimated ms} of a layout asked for by name (auto's comes with its choice),
+    measured on a probe once and kept as auto's decision is."""
+    key = cache_key(path, f"blocks {layout}")
+    known = read_cache().get(key)
+    if valid_ms(known) and all(str(b) in known for b in BLOCKS):
+        return known
+    quiet = machine_is_quiet()
+    n_layer = int(read_config(path).get("num_hidden_layers") or 1)
+    probe = build_target(path, layout, "cpu", min(max_seq_len, 64 + max(BLOCKS)), n_layer=PROBE_LAYERS)
+    table = {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS}
+    keep(key, table, quiet and machine_is_quiet())
+    return table
+
+
+def block_costs(blocks_ms: dict, max_block: int) -> list:
+    """costs[n]: a forward verifying n drafted tokens (a block of n + 1) in one-token steps, for
+    n = 0 .. max_block - 1; sizes between the timed ones interpolated, past them extrapolated."""
+    sizes = sorted(int(b) for b in blocks_ms)
+    ms = [float(blocks_ms[str(b)]) for b in sizes]
+
+    def at(b):
+        if b in sizes:
+            return ms[sizes.index(b)]
+        hi = next((i for i, s in enumerate(sizes) if s > b), len(sizes) - 1)
+        lo = hi - 1
+        return ms[lo] + (ms[hi] - ms[lo]) * (b - sizes[lo]) / (sizes[hi] - sizes[lo])
+    costs = [max(at(b) / ms[0], 1.0) for b in range(1, max_block + 1)]
+    return [max(costs[:n + 1]) for n in range(len(costs))]  # a longer block never costs less (timing noise)
+
+
+def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int):
+    """Resolve, load and prepare a model for inference in `layout` (one of LAYOUTS), or, with
+    'auto' on a CPU, in the layout chosen for this machine (choose_layout). Returns (target,
+    tokenizer); target.layout names the layout, target.choice holds auto's decision ({} when the
+    layout was asked for by name)."""
+    path = resolve_model(name_or_path)
+    problem = layout_problem(path, layout)
+    if problem:
+        raise ValueError(problem)
+    choice = {}
+    if layout == "auto":
+        choice = choose_layout(path, max_seq_len)
+        layout = choice["layout"]
+    target = build_target(path, layout, device, max_seq_len)
+    target.choice = choice
+    return target, load_tokenizer(path)
+
+
+def run_block_costs(target: M.Transformer, max_block: int) -> tuple:
+    """(block costs (block_costs) of a loaded CPU target's layout, seconds of its one-token step);
+    (None, None) on a GPU, where they are not timed."""
+    if target.embed_tokens.weight.device.type != "cpu":
+        return None, None
+    table = target.choice.get("blocks_ms") if getattr(target, "choice", None) else None
+    if table is None:
+        table = block_table(target.source, target.layout, target.max_seq_len)
+    return block_costs(table, max_block), float(table["1"]) / 1e3
+
+
+def warn_if_blocks_inexact(target: M.Transformer, block: int):
+    """A coarse layout asked for by name (auto never takes one) whose blocks part from one-token
+    steps here: say so once, and run it."""
+    if target.layout in EXACT_LAYOUTS and target.embed_tokens.weight.device.type == "cpu" \
+            and not blocks_match_steps(target, block):
+        print(f"note: on this CPU {target.layout} blocks of {block} tokens do not give the bits of one-token "
+              f"steps: greedy speculation may part from plain decoding (--dtype auto does not)", file=sys.stderr)
+
+
+def layout_reason(target: M.Transformer) -> str:
+    """One line on why a run's weights are in their layout."""
+    choice = getattr(target, "choice", None)
+    if not choice:
+        return f"{target.layout} weights"
+    others = ", ".join(f"{layout} {ms:.1f}" for layout, ms in choice["ms"].items() if layout != choice["layout"])
+    return (f"{target.layout} weights: auto's fastest one-token step here, {choice['ms'][choice['layout']]:.1f} "
+            f"ms (est.; {others})")
+
+
+def experiment_layout(device: str) -> str:
+    """The layout that training and the lossy experiment run their target in, whatever is fastest:
+    fp32 on a CPU, so that corpora and results do not change with the CPU; bf16 on CUDA."""
+    return "float32-packed" if device == "cpu" else "bfloat16"
+
+
+def target_layout(dtype: str | None, device: str, compiled: bool, pack: bool = True) -> str:
+    """--dtype as load_target takes it. Default (auto): on a CPU the layout measured fastest here
+    (torch.compile folds and packs the weights itself, so compiled CPU runs take float32 as it is);
+    bfloat16 on CUDA. float32 and bfloat16 on a CPU are packed unless pack is False."""
+    dtype = dtype or "auto"
+    problem = machine_problem(device, "auto", dtype, compiled)
+    if problem:
+        raise ValueError(problem)
+    if device != "cpu":
+        return "bfloat16" if dtype == "auto" else dtype
+    if dtype == "auto":
+        return "float32" if compiled else "auto"
+    packs = pack and not compiled and dtype in ("float32", "bfloat16") and M.packable(getattr(torch, dtype))
+    return f"{dtype}-packed" if packs else dtype
+
+
+def machine_problem(device: str, threads: str, dtype: str | None, compiled: bool = False) -> str | None:
+    """What is wrong with --device, --threads and --dtype together (decode.py, bench.py and
+    lossy.py check them alike, before any weights load), or None."""
+    if device != "cpu" and not device.startswith("cuda"):
+        return f"--device takes cpu, cuda or cuda:N, got {device!r}"
+    if device.startswith("cuda"):
+        index = device.partition(":")[2]
+        if not torch.cuda.is_available():
+            return f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
+        if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+            return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
+    cores = os.cpu_count() or 1
+    if threads != "auto" and not (threads.isdigit() and 1 <= int(threads) <= cores):
+        return f"--threads takes auto or a whole number from 1 to the {cores} cores here, got {threads}"
+    if dtype in ("int8", "int4") and (device != "cpu" or compiled):
+        return f"--dtype {dtype} runs on the CPU, uncompiled; use bfloat16 on a GPU"
+
+    return None
