@@ -135,7 +135,7 @@ def make_draft(spec, target, tokenizer, temperature, generator, k: int):
     base, early_exit = split_early_exit(spec)
     draft = build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
                         early_exit=early_exit)
-    return adaptive(draft, target, k) if spec.endswith("@adapt") else draft
+    return adaptive(draft, target) if spec.endswith("@adapt") else draft
 
 
 @dataclass

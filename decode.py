@@ -450,10 +450,10 @@ def check_and_complete(ap, args):
         args.adaptive = args.draft == "lookup" and not args.tree
 
 
-def adaptive(draft, target, k: int) -> AdaptiveDraft:
+def adaptive(draft, target) -> AdaptiveDraft:
     """The draft with its length chosen each step by what a block costs on this machine, in the
-    run's layout (draft.AdaptiveDraft; layouts.block_costs)."""
-    return AdaptiveDraft(draft, *run_block_costs(target, k + 1))
+    run's layout (draft.AdaptiveDraft; layouts.block_cost_model)."""
+    return AdaptiveDraft(draft, *run_block_costs(target))
 
 
 def make_verifier(name: str, temperature: float, **params) -> Verifier:
@@ -522,7 +522,7 @@ def main(argv=None):
     if args.verifier != "none":
         draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
                             generator=generator, early_exit=args.early_exit)
-        draft = adaptive(draft, target, args.num_draft_tokens) if args.adaptive else draft
+        draft = adaptive(draft, target) if args.adaptive else draft
         if not target.choice:
             warn_if_blocks_inexact(target, args.num_draft_tokens + 1)
     step_fn = compile_step(target) if compiled else target

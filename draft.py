@@ -86,29 +86,38 @@ class NoDraft(ChainAsTree):
 
 class LookupDraft:
     """Prompt lookup decoding: find the most recent earlier occurrence of the last n tokens
-    (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
+    (n from max_ngram down to min_ngram) and propose the tokens that followed it. An index of
+    every n-gram's positions makes a lookup cost the same at any context length."""
     target_layers = ()
     max_tokens = float("inf")
+    free = True  # proposing costs nothing worth timing: AdaptiveDraft may watch its proposals unverified
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.seq: list = []
+        self.starts: dict = {}  # n-gram (a tuple) -> the positions it starts at, increasing
         self.forwards = 0  # no network: lookups are not forwards
 
     def start(self, prompt_ids, features=None):
-        self.seq = list(prompt_ids)
+        self.seq, self.starts = [], {}
+        self.extend(prompt_ids)
+
+    def extend(self, ids):
+        for token in ids:
+            self.seq.append(token)
+            end = len(self.seq)
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self.starts.setdefault(tuple(self.seq[end - n:]), []).append(end - n)
 
     def continuations(self, k: int):
         """What followed earlier occurrences of the last n tokens (at most k tokens each): longest
         n first, then the most recent match first."""
         seq = self.seq
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            tail = seq[-n:]
-            for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start:start + n] == tail:
-                    follow = seq[start + n:start + n + k]
-                    if follow:
-                        yield follow
+            for start in reversed(self.starts.get(tuple(seq[-n:]), [])[:-1]):  # (the last is the tail itself)
+                follow = seq[start + n:start + n + k]
+                if follow:
+                    yield follow
 
     def propose(self, k: int):
         follow = next(self.continuations(k), None)
@@ -135,7 +144,7 @@ class LookupDraft:
         return torch.tensor(tokens), parents, None
 
     def commit(self, new_ids, n_accepted, features=None):
-        self.seq += list(new_ids)
+        self.extend(new_ids)
 
 
 class ModelDraft(ChainAsTree):
@@ -640,43 +649,53 @@ class HybridDraft:
 
 class AdaptiveDraft:
     """Wraps any draft and drafts, each step, the number of tokens that pays: the n maximizing
-    expected tokens per unit of time, (1 + a + ... + a^n) / cost[n], where a is the recent
-    acceptance rate of a drafted token (kept counts, decayed, from a prior of one half) and
-    cost[n] what a forward verifying n drafted tokens costs in one-token steps on this machine,
-    plus the draft's own time, measured as it runs (costs: layouts.block_costs). n = 0 is a plain decoding step: where no
-    length pays, the run decodes plainly, trying one drafted token after 1, 2, 4 ... 16 such
-    steps to learn whether drafting pays again. costs None (a GPU, where blocks cost about a
-    step) counts every block as one step. The draft still sees every commit."""
+    expected tokens per unit of time, (1 + a + ... + a^n) / cost(n, context), where a is the
+    recent acceptance rate of a drafted token (decayed counts from a prior of one half) and
+    cost(n, context) what a forward verifying n drafted tokens costs in one-token steps on this
+    machine at this context length (layouts.block_cost_model), plus the draft's own time. n = 0 is
+    a plain decoding step: where no length pays, the run decodes plainly. It keeps learning
+    whether drafting pays again: a free draft (prompt lookup) is watched, its proposals compared
+    with the tokens plain decoding commits, at no cost; any other drafts one token after 1, 2, 4
+    ... 16 plain steps. cost None (a GPU, where a block costs about a step) counts every block as
+    one step. The draft still sees every commit."""
 
     MAX_PAUSE = 16
-    DECAY = 0.8  # weight of the past in the acceptance estimate, per drafted block
+    DECAY = 0.9  # weight of the past in the acceptance estimate, per drafted token seen
 
-    def __init__(self, draft, costs: list | None = None, step_seconds: float | None = None):
+    def __init__(self, draft, cost=None, step_seconds: float | None = None):
         self.draft = draft
         self.target_layers = draft.target_layers
         self.max_tokens = draft.max_tokens
-        self.costs, self.step_seconds = costs, step_seconds
-        self.kept, self.tried = 1.0, 2.0  # a prior of one half, worth two drafted tokens
+        self.cost, self.step_seconds = cost, step_seconds
         self.draft_step = 0.0  # the draft's time per proposed token, in one-token target steps
-        self.paused, self.next_pause = 0, 1
-        self.proposed = 0
         self.steps = self.drafting_steps = 0
+        self.reset(0)
 
     @property
     def forwards(self):
         return self.draft.forwards
 
     def start(self, prompt_ids, features=None):
-        """A new sequence: what was learned of the last one's acceptance is dropped."""
         self.draft.start(prompt_ids, features)
+        self.reset(len(prompt_ids))
+
+    def reset(self, context: int):
+        """A new sequence: what was learned of the last one's acceptance is dropped."""
         self.kept, self.tried = 1.0, 2.0
+        self.context = context
         self.paused, self.next_pause = 0, 1
+        self.proposed, self.watched = 0, []
+
+    def learn(self, kept: bool):
+        self.kept = self.DECAY * self.kept + kept
+        self.tried = self.DECAY * self.tried + 1
 
     def best_length(self, k: int) -> int:
         """The draft length in 0..k with the most expected tokens per one-token step of time."""
         a = min(self.kept / self.tried, 0.999)
+
         def rate(n):
-            cost = (self.costs[min(n, len(self.costs) - 1)] if self.costs else 1.0) + n * self.draft_step
+            cost = (self.cost(n, self.context) if self.cost else 1.0) + n * self.draft_step
             return (1 - a ** (n + 1)) / (1 - a) / cost
         return max(range(k + 1), key=rate)
 
@@ -684,6 +703,10 @@ class AdaptiveDraft:
         self.proposed = 0
         self.steps += 1
         n = self.best_length(k)
+        if n == 0 and getattr(self.draft, "free", False):
+            if not self.watched:  # what it would draft, checked against what plain decoding commits
+                self.watched = self.draft.propose(k)[0].tolist()
+            return no_tokens()
         if n == 0:
             if self.paused:
                 self.paused -= 1
@@ -691,6 +714,7 @@ class AdaptiveDraft:
             n, self.paused, self.next_pause = 1, self.next_pause, min(2 * self.next_pause, self.MAX_PAUSE)
         else:
             self.next_pause = 1
+        self.watched = []
         start = time.perf_counter()
         tokens, q = self.draft.propose(n)
         self.proposed = len(tokens)
@@ -702,7 +726,13 @@ class AdaptiveDraft:
 
     def commit(self, new_ids, n_accepted, features=None):
         self.draft.commit(new_ids, n_accepted, features)
-        if not self.proposed:  # paused, or the draft declined: nothing learned about its guesses
-            return
-        self.kept = self.DECAY * self.kept + n_accepted
-        self.tried = self.DECAY * self.tried + n_accepted + (n_accepted < self.proposed)
+        self.context += len(new_ids)
+        if self.proposed:  # verified: n_accepted kept, then one rejected unless all were kept
+            for _ in range(n_accepted):
+                self.learn(True)
+            if n_accepted < self.proposed:
+                self.learn(False)
+        elif self.watched:  # a plain step commits one token: the watched proposal's next one?
+            kept = new_ids[0] == self.watched[0]
+            self.learn(kept)
+            self.watched = self.watched[1:] if kept else []

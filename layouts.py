@@ -201,13 +201,14 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=64 << 20)
 
 
-def step_seconds(target: M.Transformer, block: int, seconds: float = 0.3, cold: bool = False) -> float:
-    """Median wall time of a forward of `block` new tokens after a 64-token context (rewritten in
+def step_seconds(target: M.Transformer, block: int, seconds: float = 0.3, cold: bool = False,
+                 context: int = 64) -> float:
+    """Median wall time of a forward of `block` new tokens after a `context`-token one (rewritten in
     place each time, as a rejected speculative block is), over about `seconds` of steps. cold:
     read a buffer four times the CPU's largest cache before each forward, so a small model's
     weights come from memory as a whole model's do (a probe's two layers would otherwise stay in
     cache between steps, and the layouts that read the most bytes would look cheap)."""
-    context = min(64, target.max_seq_len - block)
+    context = min(context, target.max_seq_len - block)
     tokens = torch.randint(0, target.args.vocab_size, (1, context + block))
     positions = torch.arange(context + block)
     flush = torch.ones(min(4 * last_level_cache_bytes(), 1 << 30) // 4) if cold else None
@@ -223,6 +224,17 @@ def step_seconds(target: M.Transformer, block: int, seconds: float = 0.3, cold: 
             target(tokens[:, context:], positions[context:])
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+LONG_CONTEXT = 1024  # where attention's cost per key is read off
+
+
+def attention_ms_per_key(probe: M.Transformer, n_layer: int) -> float:
+    """What one more cached key adds to one query's attention over all of a whole model's layers,
+    from a probe's one-token steps after a short and a long context."""
+    short = step_seconds(probe, 1, cold=True)
+    long = step_seconds(probe, 1, cold=True, context=LONG_CONTEXT)
+    return max(long - short, 0.0) * 1e3 / (LONG_CONTEXT - 64) * n_layer / len(probe.layers)
 
 
 def estimated_ms(probe: M.Transformer, n_layer: int, block: int) -> float:
@@ -316,11 +328,15 @@ def valid_ms(table) -> bool:
         for v in table.values())
 
 
+def valid_per_key(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 def valid_choice(entry) -> bool:
     """A whole decision: a known layout, the one-token times behind it, the block table."""
     return isinstance(entry, dict) and entry.get("layout") in LAYOUTS and valid_ms(entry.get("ms")) \
         and isinstance(entry.get("inexact"), list) and valid_ms(entry.get("blocks_ms")) \
-        and all(str(b) in entry["blocks_ms"] for b in BLOCKS)
+        and all(str(b) in entry["blocks_ms"] for b in BLOCKS) and valid_per_key(entry.get("attention_ms_per_key"))
 
 
 def choose_layout(path: Path, max_seq_len: int) -> dict:
@@ -335,7 +351,7 @@ def choose_layout(path: Path, max_seq_len: int) -> dict:
     n_layer = int(read_config(path).get("num_hidden_layers") or 1)
     quiet = machine_is_quiet()
     ms, inexact, fastest = {}, [], None
-    context = min(max_seq_len, 64 + max(BLOCKS))
+    context = min(max_seq_len, LONG_CONTEXT + max(BLOCKS))
     for layout in tqdm(layout_candidates(path), desc="timing weight layouts (once per CPU)", file=sys.stderr):
         probe = build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS)
         ms[layout] = estimated_ms(probe, n_layer, 1)
@@ -346,26 +362,29 @@ def choose_layout(path: Path, max_seq_len: int) -> dict:
         del probe
     best, probe = fastest.layout, fastest
     blocks_ms = {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS}
+    per_key = attention_ms_per_key(probe, n_layer)
     if inexact:
         print(f"note: on this CPU {', '.join(inexact)} blocks do not give the bits of one-token steps "
               f"(greedy speculation would part from plain decoding): not chosen", file=sys.stderr)
     entry = {"layout": best, "ms": ms, "inexact": inexact, "blocks_ms": blocks_ms,
-             "date": time.strftime("%Y-%m-%d")}
+             "attention_ms_per_key": per_key, "date": time.strftime("%Y-%m-%d")}
     keep(key, entry, quiet and machine_is_quiet())
     return entry
 
 
 def block_table(path: Path, layout: str, max_seq_len: int) -> dict:
-    """{block size: estimated ms} of a layout asked for by name (auto's comes with its choice),
-    measured on a probe once and kept as auto's decision is."""
+    """{"blocks_ms": {block size: estimated ms}, "attention_ms_per_key": ...} of a layout asked for
+    by name (auto's come with its choice), measured on a probe once and kept as auto's decision is."""
     key = cache_key(path, f"blocks {layout}")
     known = read_cache().get(key)
-    if valid_ms(known) and all(str(b) in known for b in BLOCKS):
+    if isinstance(known, dict) and valid_ms(known.get("blocks_ms")) and all(
+            str(b) in known["blocks_ms"] for b in BLOCKS) and valid_per_key(known.get("attention_ms_per_key")):
         return known
     quiet = machine_is_quiet()
     n_layer = int(read_config(path).get("num_hidden_layers") or 1)
-    probe = build_target(path, layout, "cpu", min(max_seq_len, 64 + max(BLOCKS)), n_layer=PROBE_LAYERS)
-    table = {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS}
+    probe = build_target(path, layout, "cpu", min(max_seq_len, LONG_CONTEXT + max(BLOCKS)), n_layer=PROBE_LAYERS)
+    table = {"blocks_ms": {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS},
+             "attention_ms_per_key": attention_ms_per_key(probe, n_layer)}
     keep(key, table, quiet and machine_is_quiet())
     return table
 
@@ -404,15 +423,30 @@ def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int):
     return target, load_tokenizer(path)
 
 
-def run_block_costs(target: M.Transformer, max_block: int) -> tuple:
-    """(block costs (block_costs) of a loaded CPU target's layout, seconds of its one-token step);
-    (None, None) on a GPU, where they are not timed."""
+def block_cost_model(table: dict, rows_attend_apart: bool):
+    """cost(n, context): a forward verifying n drafted tokens after `context` cached ones, in
+    one-token steps at that context. A block's rows each attend over the whole context where they
+    attend one at a time (model.attend_row_by_row), so at long context a block costs more steps."""
+    blocks_ms, per_key = table["blocks_ms"], float(table["attention_ms_per_key"])
+    costs = block_costs(blocks_ms, max(BLOCKS))  # (past the largest timed block: extrapolated)
+    one = float(blocks_ms["1"])
+
+    def cost(n: int, context: int) -> float:
+        base = costs[n] if n < len(costs) else block_costs(blocks_ms, n + 1)[n]
+        attention = per_key * max(context - 64, 0)
+        return (base * one + (n + 1 if rows_attend_apart else 1) * attention) / (one + attention)
+    return cost
+
+
+def run_block_costs(target: M.Transformer) -> tuple:
+    """(cost(n, context) (block_cost_model) of a loaded CPU target in its layout, seconds of its
+    one-token step); (None, None) on a GPU, where they are not timed."""
     if target.embed_tokens.weight.device.type != "cpu":
         return None, None
-    table = target.choice.get("blocks_ms") if getattr(target, "choice", None) else None
-    if table is None:
-        table = block_table(target.source, target.layout, target.max_seq_len)
-    return block_costs(table, max_block), float(table["1"]) / 1e3
+    table = target.choice if getattr(target, "choice", None) else \
+        block_table(target.source, target.layout, target.max_seq_len)
+    apart = any(isinstance(m, M.Attention) and m.row_by_row for m in target.modules())
+    return block_cost_model(table, apart), float(table["blocks_ms"]["1"]) / 1e3
 
 
 def warn_if_blocks_inexact(target: M.Transformer, block: int):

@@ -146,7 +146,9 @@ def apply_rope(x, cos, sin_signed):
 class KVCache(nn.Module):
     """Keys and values stored at their absolute positions. Rewinding a speculative block is free:
     the next forward starts at an earlier position, the causal mask hides the stale entries past
-    it, and they are overwritten as decoding moves on."""
+    it, and they are overwritten as decoding moves on. On a CPU they are kept in fp32 whatever the
+    weights (bf16 keys convert to fp32 exactly): torch's CPU attention for one query is several
+    times slower in bf16 than in fp32, and at a long context attention is most of a step."""
 
     def __init__(self, batch, n_kv_head, max_seq_len, head_dim, dtype, device):
         super().__init__()
@@ -189,28 +191,32 @@ class Attention(nn.Module):
         q, k = apply_rope(q_and_k, cos, sin).split([H, KV], dim=1)
         return q, k, v
 
-    def attend(self, q, k, v, mask):
-        """Attention of q over the keys k, v given, (B, heads, T, head_dim) -> (B, T, dim)."""
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
-        return self.o_proj(y.transpose(1, 2).flatten(2))
+    def mix(self, q, k, v, mask):
+        """(B, heads, T, head_dim) queries over the keys and values given -> (B, heads, T, head_dim)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
+
+    def attend(self, q, k, v, mask, dtype=None):
+        """Attention of q over the keys k, v given and the output projection, (B, heads, T, head_dim)
+        -> (B, T, dim) in `dtype` (default q's)."""
+        return self.o_proj(self.mix(q, k, v, mask).transpose(1, 2).flatten(2).to(dtype or q.dtype))
 
     def forward(self, x, cos, sin, mask, input_pos, kv_len, tree_slots=None):
         q, k, v = self.project(x, cos, sin)
-        k, v = self.kv_cache.update(input_pos, k, v)  # (B, kv_heads, max_seq_len, head_dim)
+        cache = self.kv_cache  # (on a CPU in fp32 whatever the weights: see KVCache)
+        k, v = cache.update(input_pos, k.to(cache.k.dtype), v.to(cache.k.dtype))  # (B, kv_heads, max_seq_len, head_dim)
+        q = q.to(cache.k.dtype)
         if self.row_by_row and 1 < q.shape[2] <= ROW_BY_ROW_MAX and mask is not None and mask.dim() == 2:
             # a verification block: each query attends exactly as a one-token step would (the same
             # kernel on the same keys), so the block's outputs are bit for bit the one-token ones.
             # A tree's row sees the cache before the block and its ancestors: gathered, they are
             # the keys a one-token step along that path would see, in the same order
-            gqa = self.n_kv_head != self.n_head
-            rows = [F.scaled_dot_product_attention(q[:, :, t:t + 1], k[:, :, :p + 1], v[:, :, :p + 1],
-                                                   enable_gqa=gqa) if tree_slots is None else
-                    F.scaled_dot_product_attention(q[:, :, t:t + 1], k.index_select(2, tree_slots[t]),
-                                                   v.index_select(2, tree_slots[t]), enable_gqa=gqa)
+            rows = [self.mix(q[:, :, t:t + 1], k[:, :, :p + 1], v[:, :, :p + 1], None) if tree_slots is None else
+                    self.mix(q[:, :, t:t + 1], k.index_select(2, tree_slots[t]), v.index_select(2, tree_slots[t]),
+                             None)
                     for t, p in enumerate(input_pos.tolist())]  # (B, heads, 1, head_dim) each
-            return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2))
+            return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2).to(x.dtype))
         # only the first kv_len cache slots can be visible; attending to the rest is wasted bandwidth
-        return self.attend(q, k[:, :, :kv_len], v[:, :, :kv_len], mask)
+        return self.attend(q, k[:, :, :kv_len], v[:, :, :kv_len], mask, x.dtype)
 
 
 class MLP(nn.Module):
@@ -258,9 +264,10 @@ class Transformer(nn.Module):
         """Allocate the KV caches and the RoPE table for sequences of up to max_seq_len tokens."""
         weight = self.embed_tokens.weight  # (never packed or quantized: its dtype is the model's)
         self.max_seq_len = max_seq_len
+        cache_dtype = torch.float32 if weight.device.type == "cpu" else weight.dtype  # (KVCache says why)
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_len,
-                                               self.args.head_dim, weight.dtype, weight.device)
+                                               self.args.head_dim, cache_dtype, weight.device)
         cos, sin = rope_table(self.args, max_seq_len, weight.device, weight.dtype)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -146,7 +146,7 @@ def render(results: dict) -> str:
             tau = f"{s['tau']:.2f}" if s["tau"] else "-"
             lo, hi = s["speedup_iqr"]
             exact = f"{s['prompts_with_the_baseline_tokens']}/{table['prompts']}" \
-                if s["temperature"] == 0 and s["tau"] else "-"
+                if s["temperature"] == 0 and s["drafted_tokens"] else "-"
             lines.append(f"| {label} | {s['temperature']:g} | {tau} | {s['tokens_per_s_median']:.1f} | "
                          f"{s['speedup_median']:.2f}x ({lo:.2f}-{hi:.2f}) | {exact} |")
         lines.append("")
@@ -215,6 +215,8 @@ def main(argv=None):
     problem = bench.unwritable(out)
     if problem:
         ap.error(f"cannot write {out}: {problem}")
+    if not readme.is_file() or BEGIN not in readme.read_text():
+        ap.error(f"{readme} has no {BEGIN} ... {END} markers to write the results between")
     torch.set_num_threads(pick_threads(args.threads))
     machine = bench.machine_stamp("cpu")  # before the runs: the commit measured, not one made during them
     t0 = time.perf_counter()

@@ -260,6 +260,10 @@ def test_auto_threads_leave_a_busy_core_alone():
 BLOCK_COSTS = [1.0, 1.3, 1.5, 1.7, 1.9, 2.1, 2.3]  # a CPU's: a block of n + 1 tokens in one-token steps
 
 
+def block_cost(n, context):
+    return BLOCK_COSTS[n]
+
+
 @pytest.mark.parametrize("which", ["wrong", "right"])
 def test_adaptive_draft_length_pauses_where_nothing_is_kept(tiny, which):
     """The adaptive wrapper changes nothing but how much is drafted: greedy still equals plain;
@@ -270,7 +274,7 @@ def test_adaptive_draft_length_pauses_where_nothing_is_kept(tiny, which):
     prompt = [5, 17, 3, 5, 17, 3, 5, 17, 3, 42, 8]
     plain = generate(target, prompt, max_new_tokens=60)
     inner = WrongDraft(load(tiny)) if which == "wrong" else ModelDraft(load(tiny))
-    spec = generate(target, prompt, AdaptiveDraft(inner, BLOCK_COSTS), Verifier("greedy"), k=6, max_new_tokens=60)
+    spec = generate(target, prompt, AdaptiveDraft(inner, block_cost), Verifier("greedy"), k=6, max_new_tokens=60)
     assert spec["tokens"] == plain["tokens"]
     if which == "wrong":
         # 2 (the prior's best length), 1, then a one-token probe after 0, 1, 2, 4, 8, 16, 16 plain steps
@@ -285,16 +289,47 @@ def test_adaptive_length_weighs_acceptance_against_what_a_block_costs():
     """The best length maximizes expected tokens per one-token step of time: nothing when blocks
     cost more than acceptance returns, longer blocks as acceptance rises or blocks get cheaper."""
     from draft import AdaptiveDraft, LookupDraft
-    adaptive = AdaptiveDraft(LookupDraft(), BLOCK_COSTS)
+    adaptive = AdaptiveDraft(LookupDraft(), block_cost)
     for kept, tried, best in ((0.1, 1.0, 0), (0.5, 1.0, 2), (0.9, 1.0, 6)):
         adaptive.kept, adaptive.tried = kept, tried
         assert adaptive.best_length(6) == best
-    adaptive.costs = None  # a block costs a step (a GPU): any acceptance pays for the full k
+    adaptive.cost = None  # a block costs a step (a GPU): any acceptance pays for the full k
     adaptive.kept, adaptive.tried = 0.1, 1.0
     assert adaptive.best_length(6) == 6
-    adaptive.costs, adaptive.draft_step = BLOCK_COSTS, 0.5  # a slow draft pays for its own time too
+    adaptive.cost, adaptive.draft_step = block_cost, 0.5  # a slow draft pays for its own time too
     adaptive.kept, adaptive.tried = 0.5, 1.0
     assert adaptive.best_length(6) == 0
+
+
+def test_adaptive_lookup_learns_from_what_plain_decoding_commits(tiny):
+    """Prompt lookup costs nothing to ask: while drafting does not pay, its proposals are watched
+    against the tokens plain steps commit, so it starts drafting as soon as they would be kept,
+    without verifying a single block to learn it (and greedy still equals plain)."""
+    from draft import AdaptiveDraft
+    target = load(tiny)
+    prompt = [5, 17, 3, 5, 17, 3, 5, 17, 3, 42, 8]
+    plain = generate(target, prompt, max_new_tokens=60)
+    adaptive = AdaptiveDraft(LookupDraft(), block_cost)
+    adaptive.start(prompt[:8])  # ends in 5 17, seen before: lookup proposes 3 5 17 ...
+    adaptive.kept, adaptive.tried = 0.0, 10.0  # as if it had missed ten times: nothing pays now
+    assert adaptive.best_length(6) == 0
+    assert adaptive.propose(6)[0].numel() == 0 and adaptive.watched  # watched, not drafted
+    adaptive.commit([adaptive.watched[0]], 0)  # plain decoding committed what it would have drafted
+    assert adaptive.kept > 0 and adaptive.proposed == 0
+    spec = generate(target, prompt, AdaptiveDraft(LookupDraft(), block_cost), Verifier("greedy"), k=6,
+                    max_new_tokens=60)
+    assert spec["tokens"] == plain["tokens"]
+
+
+def test_at_long_context_a_block_costs_more_steps_where_rows_attend_apart():
+    import layouts as LY
+    table = {"blocks_ms": {str(b): 10.0 + b for b in LY.BLOCKS}, "attention_ms_per_key": 0.01}
+    apart, together = LY.block_cost_model(table, True), LY.block_cost_model(table, False)
+    assert apart(0, 5000) == pytest.approx(1.0) and together(0, 5000) == pytest.approx(1.0)
+    assert apart(5, 64) == pytest.approx(16 / 11) == together(5, 64)
+    assert apart(5, 4096) > apart(5, 1024) > apart(5, 64)  # six rows each attend over the context
+    assert together(5, 4096) < together(5, 64)  # one attention, over a step made longer by it
+    assert apart(20, 64) > apart(15, 64)  # past the largest block timed: extrapolated
 
 
 LIST_PROMPT = ("Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, "

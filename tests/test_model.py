@@ -265,7 +265,7 @@ def six_layers(tmp_path):
 def fake_timing(monkeypatch, ms_per_layer: dict, timed: list):
     """step_seconds that says a forward costs (layers + 1) * ms_per_layer[(layout, block)] (or
     [layout]) and notes what it timed."""
-    def step_seconds(target, block, seconds=0.3, cold=False):
+    def step_seconds(target, block, seconds=0.3, cold=False, context=64):
         timed.append((target.layout, block, len(target.layers)))
         per = ms_per_layer.get((target.layout, block), ms_per_layer.get(target.layout, 5.0))
         return (len(target.layers) + 1) * per * block ** 0.5 / 1e3
