@@ -42,7 +42,8 @@ from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, b
 from layouts import (LAYOUTS, apply_layout, compile_step, cpu_description, default_device, layout_dtype,
                      load_target, machine_problem, pick_threads, target_layout, wants_compile)
 
-from decode import adaptive, check_prompt, check_temperature, generate, prompt_text, read_jsonl, repo_path, repo_relative
+from decode import (adaptive, check_prompt, check_temperature, generate, read_jsonl, record_prompt, repo_path,
+                    repo_relative)
 from draft import HeadCalibration
 from verify import VERIFIERS, Verifier
 
@@ -62,7 +63,7 @@ def load_prompts(path: Path, categories, limit: int | None, from_end: bool = Fal
         if categories and category not in categories or per_category.get(category, 0) >= (limit or math.inf):
             continue
         per_category[category] = per_category.get(category, 0) + 1
-        out.append((category, check_prompt(prompt_text(record), f"{path} line {number}")))
+        out.append((category, check_prompt(record_prompt(record, f"{path} line {number}"), f"{path} line {number}")))
     if not out:
         raise ValueError(f"no prompts selected from {path}")
     return out[::-1] if from_end else out
@@ -100,22 +101,50 @@ def quartiles(xs):
 # -----------------------------------------------------------------------------
 # Runs
 
-def split_tree(spec: str):
-    """'DRAFT@tree16' -> (DRAFT, 16): trees of at most 16 nodes (decode.py --tree); else (spec, 0)."""
-    found = re.search(r"@tree(\d+)", spec)
-    return (spec.replace(found.group(0), ""), int(found.group(1))) if found else (spec, 0)
+SUFFIX = re.compile(r"@(ee|tree|adapt)([^@]*)")
 
 
-def split_early_exit(spec: str):
-    """'DRAFT@ee' -> (DRAFT, 'auto'): the draft's recorded threshold; 'DRAFT@ee0.2' -> (DRAFT, 0.2)
-    (the @tree and @adapt suffixes, see make_draft, are part of neither)."""
-    base, _, ee = split_tree(spec)[0].removesuffix("@adapt").partition("@ee")
-    return base, (None if "@ee" not in spec else float(ee) if ee else "auto")
+def parse_spec(spec: str) -> tuple:
+    """A --drafts entry -> (draft as decode.py's --draft takes it, early exit, tree budget, adaptive).
+    Suffixes come in any order, each at most once: @ee (the draft's recorded threshold, 'auto') or
+    @ee0.2; @treeN (trees of N tokens, decode.py --tree N); @adapt (decode.py --adaptive). A
+    suffix that is unknown, repeated, out of range or does not apply is a one-line error."""
+    base, _, _ = spec.partition("@")
+    rest = spec[len(base):]
+    found = SUFFIX.findall(rest)
+    if "".join(f"@{name}{value}" for name, value in found) != rest:
+        raise ValueError(f"{spec}: suffixes are @ee, @ee<threshold>, @tree<N> and @adapt")
+    names = [name for name, _ in found]
+    if len(set(names)) < len(names):
+        raise ValueError(f"{spec}: each suffix at most once")
+    values = dict(found)
+    early_exit = tree = None
+    if "ee" in values:
+        if values["ee"]:
+            try:
+                early_exit = float(values["ee"])
+            except ValueError:
+                early_exit = float("nan")
+            if not 0 <= early_exit <= 1:
+                raise ValueError(f"{spec}: @ee takes a threshold in [0, 1], got {values['ee']!r}")
+        else:
+            early_exit = "auto"
+        if base == "lookup":
+            raise ValueError(f"{spec}: early exit needs a draft with a verification head (EAGLE-3, DFlash), "
+                             f"not prompt lookup")
+    if "tree" in values:
+        if not values["tree"].isdigit() or int(values["tree"]) < 1:
+            raise ValueError(f"{spec}: @tree takes a number of draft tokens >= 1, as in lookup@tree16")
+        tree = int(values["tree"])
+    if values.get("adapt"):
+        raise ValueError(f"{spec}: @adapt takes no value")
+    if tree and "adapt" in values:
+        raise ValueError(f"{spec}: @adapt sets a chain's length; it does not apply to @tree")
+    return base, early_exit, tree or 0, "adapt" in values
 
 
 def draft_label(spec: str) -> str:
-    base, early_exit = split_early_exit(spec)
-    tree = split_tree(spec)[1]
+    base, early_exit, tree, adapt = parse_spec(spec)
     hybrid = base.startswith("lookup+")
     path = Path(base.removeprefix("lookup+").split(":", 1)[-1])
     name = base if base == "lookup" else (path.parent.name if path.name == "checkpoint" else path.name)
@@ -125,17 +154,15 @@ def draft_label(spec: str) -> str:
     if early_exit is not None:
         name += " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}")
     name += f" tree{tree}" if tree else ""
-    return name + (" +adaptive" if spec.endswith("@adapt") else "")
+    return name + (" +adaptive" if adapt else "")
 
 
-def make_draft(spec, target, tokenizer, temperature, generator, k: int):
-    """A draft spec as decode.py takes it, optionally suffixed @ee (or @ee<threshold>) for early
-    exit, @tree<N> for trees of N nodes (decode.py --tree; the run's tree budget comes from
-    split_tree), then @adapt for the adaptive draft length (decode.py --adaptive)."""
-    base, early_exit = split_early_exit(spec)
+def make_draft(spec, target, tokenizer, temperature, generator):
+    """A --drafts entry (parse_spec) as a draft; the run's tree budget is parse_spec's too."""
+    base, early_exit, _, adapt = parse_spec(spec)
     draft = build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
                         early_exit=early_exit)
-    return adaptive(draft, target) if spec.endswith("@adapt") else draft
+    return adaptive(draft, target) if adapt else draft
 
 
 @dataclass
@@ -254,7 +281,7 @@ def speed_runs(args, target, tokenizer, generator):
     for temperature in args.temperatures:
         runs.append(Run(f"baseline T={temperature:g}", temperature, target))
         for spec in args.drafts:
-            draft = make_draft(spec, target, tokenizer, temperature, generator, args.num_draft_tokens)
+            draft = make_draft(spec, target, tokenizer, temperature, generator)
             if isinstance(draft, HeadCalibration):  # its head's probability against what was kept
                 draft.calibration = []
             for name in args.verifiers:
@@ -263,7 +290,7 @@ def speed_runs(args, target, tokenizer, generator):
                 if name == "lossless" and temperature == 0 and "greedy" in args.verifiers:
                     continue  # at T=0 lossless keeps exactly what greedy keeps: the run would repeat it
                 runs.append(Run(f"{draft_label(spec)} {name} T={temperature:g}", temperature, target, draft,
-                                Verifier(name), tree=split_tree(spec)[1]))
+                                Verifier(name), tree=parse_spec(spec)[2]))
         if args.peers:
             runs += peer_runs(args.target, temperature, args.num_draft_tokens)
     prompts = load_prompts(repo_path(args.prompt_file), args.categories, args.limit, args.from_end)
@@ -373,12 +400,14 @@ def paired_ratio(a: list, b: list, resamples: int = 10000, seed: int = 0) -> dic
 
 def paired_runs(paired: list, records: dict) -> dict:
     """Each pair [A, B] of drafts: A's runs against B's, verifier by verifier and temperature by
-    temperature."""
+    temperature (a run is named '<draft label> <verifier> T=<t>')."""
     pairs = {}
     for a, b in ([draft_label(d) for d in pair] for pair in paired):
         for name in records:  # A's run with a verifier and temperature, and B's with the same ones
-            twin = b + name[len(a):]
-            if name.startswith(a + " ") and twin in records:
+            rest = name[len(a) + 1:].split(" ")
+            exactly_a = name.startswith(a + " ") and len(rest) == 2 and rest[0] in VERIFIERS and rest[1].startswith("T=")
+            twin = f"{b} {' '.join(rest)}"
+            if exactly_a and twin in records:
                 pairs[f"{name} vs {b}"] = paired_ratio(records[name], records[twin])
     return pairs
 
@@ -643,10 +672,8 @@ def add_run_args(ap):
     committed = DEFAULT_DRAFTS.get(DEFAULT_TARGET)
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     g.add_argument("--drafts", default=default_drafts,
-                   help="comma-separated drafts as decode.py's --draft takes them; suffix @ee adds early "
-                        "exit at the draft's recorded threshold (as a bare decode.py --early-exit), @ee0.2 a "
-                        "threshold of your own; @tree16 trees of 16 tokens (decode.py --tree 16, depth -k); "
-                        "then @adapt the adaptive draft length (decode.py --adaptive)")
+                   help="comma-separated drafts as decode.py's --draft takes them, with suffixes in any "
+                        "order: @ee or @ee0.2 (early exit), @tree16 (trees), @adapt (adaptive length)")
     g.add_argument("--verifiers", default="greedy,lossless",
                    help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
                         "lossless (the same rule there) is left out if greedy is in")
@@ -746,14 +773,16 @@ def check_and_complete(ap, args):
     args.paired = [pair.split(",") for pair in args.paired]
     if any(len(pair) != 2 or any(d not in args.drafts for d in pair) for pair in args.paired):
         ap.error("--paired takes two of the --drafts, comma-separated")
+    if any(a == b for a, b in args.paired):
+        ap.error("--paired compares two different drafts; a draft against itself is 1.000 by construction")
+    for spec in args.drafts:
+        try:
+            parse_spec(spec)
+        except ValueError as e:
+            ap.error(f"--drafts {e}")
     labels = [draft_label(spec) for spec in args.drafts]
     if len(set(labels)) < len(labels):  # runs and results are keyed by label: one would replace another
         ap.error(f"two --drafts have one name: {', '.join(sorted({n for n in labels if labels.count(n) > 1}))}")
-    for spec in args.drafts:
-        if split_tree(spec)[1] and spec.endswith("@adapt"):
-            ap.error(f"{spec}: @adapt sets a chain's length; it does not apply to @tree")
-        if "@tree" in spec and not split_tree(spec)[1]:
-            ap.error(f"{spec}: @tree takes a number of draft tokens >= 1, as in lookup@tree16")
     args.categories = args.categories.split(",") if args.categories else None
     args.compile = wants_compile(args.compile, args.device)
     table = {"auto": "qwen3-4b,llama-3.1-8b" if args.device.startswith("cuda") else "", "none": ""}

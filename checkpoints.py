@@ -81,6 +81,9 @@ def replace_directory(new: Path, path: Path):
 def directory_written_atomically(path: Path):
     """Yields an empty temporary directory beside `path` to fill; when the block ends without an
     error it becomes `path` (an older one replaced whole), else it is removed."""
+    if path.is_symlink() and not path.is_dir():
+        raise CheckpointError(f"{path} is a link to {os.readlink(path)}, which is no directory: "
+                              f"write elsewhere, or remove the link")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=path.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would keep it from other users
@@ -159,9 +162,12 @@ def read_config(model_dir: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"no config.json in {model_dir}")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"corrupt config.json in {model_dir}: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"config.json in {model_dir} holds a {type(config).__name__}, not a JSON object")
+    return config
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -590,7 +596,14 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
             layers, mask_id, n_target = dflash_settings(config, args.n_layer, path)
             check_matches_target(path, target, config.get("target_hidden_size", target.args.dim),
                                  layers, n_target)
-            net = DFlash(args, target.args.dim, layers, config.get("block_size", 16), mask_id)
+            block_size = config.get("block_size", 16)
+            if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
+                raise CheckpointError(f"DFlash draft {path}: block_size must be a whole number >= 2 (a block "
+                                      f"holds the last token and at least one to fill), got {block_size!r}")
+            if not 0 <= mask_id < target.args.vocab_size:
+                raise CheckpointError(f"DFlash draft {path}: mask_token_id {mask_id} lies outside the "
+                                      f"vocabulary of {target.args.vocab_size}")
+            net = DFlash(args, target.args.dim, layers, block_size, mask_id)
     expected = net.state_dict()
     if "verify_head.weight" not in sd:  # released drafts have no verification head: start it neutral
         sd["verify_head.weight"] = torch.zeros(1, args.dim)
@@ -728,12 +741,16 @@ def checkpoint_dirs(out: Path) -> list:
 def read_log(path: Path) -> list:
     """The statistics of log.jsonl, up to the first line that does not parse (a cut-off write)."""
     out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    for number, line in enumerate(path.read_text().splitlines() if path.is_file() else [], 1):
         try:
-            out.append(json.loads(line))
+            entry = json.loads(line)
         except json.JSONDecodeError:
             print(f"warning: {path} is cut off after {len(out)} steps", file=sys.stderr)
             break
+        if not isinstance(entry, dict) or isinstance(entry.get("step"), bool) or not isinstance(entry.get("step"), int):
+            raise ValueError(f"{path} line {number} is not a training step's statistics (a JSON object with a "
+                             f"'step'): is it a train_vat.py log?")
+        out.append(entry)
     return out
 
 
@@ -742,6 +759,15 @@ def read_log(path: Path) -> list:
 # (EAGLE-3) and 0.6 (DFlash) suit drafts whose head is confident; ours, trained on a CPU, are not,
 # and at 0.5 they draft almost nothing.
 EARLY_EXIT_DEFAULT = 0.1
+
+
+def recorded_threshold(path: Path) -> float:
+    """The early-exit threshold a draft's config.json records, checked as the command line's is."""
+    value = read_config(path).get("early_exit_threshold", EARLY_EXIT_DEFAULT)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise CheckpointError(f"{path / 'config.json'}: early_exit_threshold must be a number in [0, 1], "
+                              f"got {value!r}")
+    return float(value)
 
 
 DEFAULT_DRAFTS = {DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-vat"}
@@ -776,7 +802,7 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
         if pack:  # inference only: oneDNN's layout reads a draft's small matmuls faster
             M.pack_for_cpu(net)
         if early_exit == "auto":
-            early_exit = float(read_config(path).get("early_exit_threshold", EARLY_EXIT_DEFAULT))
+            early_exit = recorded_threshold(path)
         if kind == "eagle3":
             return Eagle3Draft(net, target.embed_tokens, target.max_seq_len, early_exit=early_exit,
                                **sampling)

@@ -179,6 +179,21 @@ def draft_vocabulary(data, vocab_size: int, size: int):
     return top - torch.arange(size), t2d
 
 
+def fitting(starts_and_lengths: list, seq_len: int, what: str = "--seq-len") -> list:
+    """The indices of the sequences with at least two response tokens inside the first seq_len
+    tokens: the others would give batches with nothing to learn (a loss of 0 / 0). Says once how
+    many are skipped; none fitting is a one-line error naming the setting."""
+    keep = [i for i, (start, length) in enumerate(starts_and_lengths) if start < min(seq_len, length) - 1]
+    if not keep:
+        shortest = min((start for start, _ in starts_and_lengths), default=0)
+        raise ValueError(f"no training sequence has a response inside {what} {seq_len} (the shortest prompt "
+                         f"takes {shortest} tokens with its template): raise {what}")
+    if len(keep) < len(starts_and_lengths):
+        print(f"note: {len(starts_and_lengths) - len(keep)} of {len(starts_and_lengths)} training sequences "
+              f"have their response past {what} {seq_len}: skipped", file=sys.stderr)
+    return keep
+
+
 def batches(data, batch_size: int, seq_len: int, rng: random.Random, start: int = 0):
     """Endless random batches (tokens (B, T), response mask (B, T)), right-padded to the longest,
     from batch `start` of the order rng draws (a resumed run skips what it trained)."""

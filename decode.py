@@ -209,14 +209,27 @@ def synchronize(device: torch.device):
 # Prompts: a string, a text file, or a jsonl of Spec-Bench / ShareGPT / Alpaca / GSM8K records
 
 def prompt_text(record: dict) -> str:
-    """The first user turn of a record in any of the formats we read."""
+    """The first user turn of a record in any of the formats we read; a record whose fields are
+    not what its format says is a one-line error."""
+    def text(value, field):
+        if not isinstance(value, str):
+            raise ValueError(f"its {field} is {type(value).__name__} {str(value)[:40]!r}, not text")
+        return value
     if "turns" in record:  # Spec-Bench, MT-bench
-        return record["turns"][0]
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"its 'turns' must be a non-empty list of strings, got {str(turns)[:40]!r}")
+        return text(turns[0], "first turn")
     if "conversations" in record:  # ShareGPT
-        return next(t["value"] for t in record["conversations"] if t.get("from") in ("human", "user"))
+        turns = record["conversations"]
+        human = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")),
+                     None) if isinstance(turns, list) else None
+        if human is None:
+            raise ValueError("its 'conversations' hold no turn from 'human' or 'user'")
+        return text(human, "first human turn")
     if "instruction" in record:  # Alpaca
         extra = record.get("input") or (record.get("instances") or [{}])[0].get("input", "")
-        return record["instruction"] + (f"\n\n{extra}" if extra else "")
+        return text(record["instruction"], "instruction") + (f"\n\n{text(extra, 'input')}" if extra else "")
     for key in ("question", "prompt", "text"):  # GSM8K, HumanEval, plain
         if key in record:
             return record[key]
@@ -272,10 +285,18 @@ def read_prompts(path) -> list:
     if path.suffix != ".jsonl":
         prompts = [read_text(path)]
     else:
-        prompts = [check_prompt(prompt_text(r), f"{path} line {n}") for n, r in read_jsonl(path)]
+        prompts = [check_prompt(record_prompt(r, f"{path} line {n}"), f"{path} line {n}") for n, r in read_jsonl(path)]
     if not prompts or not all(p.strip() for p in prompts):
         raise ValueError(f"{path} holds no prompt" if not prompts else f"{path} is empty")
     return prompts
+
+
+def record_prompt(record: dict, where: str) -> str:
+    """prompt_text, its errors naming the file and line."""
+    try:
+        return prompt_text(record)
+    except (ValueError, AttributeError, TypeError, IndexError) as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def check_prompt(text, where: str) -> str:
@@ -295,40 +316,33 @@ def get_args(argv=None):
     return args
 
 
+def threshold(value: str):
+    """--early-exit's value: 'auto' or a number (its range is checked with the other settings)."""
+    return value if value == "auto" else float(value)
+
+
 def add_speculation_args(ap):
     """What decodes: the target, the draft, the verifier and how much is drafted."""
     g = ap.add_argument_group("target, draft and verifier")
     g.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
     g.add_argument("--draft", default=None,
-                   help="'lookup' (prompt lookup), eagle3:DIR, dflash:DIR, a trained draft's directory, "
-                        "a model name/directory sharing the target's tokenizer, or lookup+ONE OF THOSE (a "
-                        "hybrid: prompt lookup where a 2-3 token match exists, the draft elsewhere). "
-                        "Default: prompt lookup (greedy verification at T = 0, lossless at T > 0: exact "
-                        "either way); with a lossy --verifier, the "
-                        "committed EAGLE-3 draft for smollm2-135m (those verifiers mix the draft's "
-                        "distribution into the target's), else lookup")
+                   help="lookup (prompt lookup, the default), a trained draft's directory, eagle3:DIR, dflash:DIR, "
+                        "a model sharing the target's tokenizer, or lookup+ONE OF THOSE (lookup where it matches)")
     g.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
                    help="'none' is plain autoregressive decoding (sampling at T > 0); default: greedy at "
                         "T = 0, lossless at T > 0")
     g.add_argument("-k", "--num-draft-tokens", type=int, default=DECODE_K, help="tokens drafted per step")
     g.add_argument("--early-exit", nargs="?", const="auto", default=None,
-                   type=lambda v: v if v == "auto" else float(v),
-                   help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls "
-                        f"below this (bare flag: the threshold the draft's config records, else "
-                        f"{EARLY_EXIT_DEFAULT}; the VAT paper uses 0.5 for EAGLE-3 and 0.6 for DFlash, which "
-                        f"suit drafts with a confident head)")
+                   type=threshold,
+                   help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls below this "
+                        f"(bare flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT})")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="set each step's draft length from recent acceptance (+2 after a block kept "
-                        "whole, the kept length + 1 after a rejection) and pause drafting after blocks that "
-                        "keep nothing. Default: on with the default prompt-lookup draft (where a verification "
-                        "block costs several one-token steps, as in int4, drafting k tokens on every miss "
-                        "costs more than lookup's hits return), off otherwise")
+                   help="draft each step the length that pays, from recent acceptance and what a block costs here, "
+                        "decoding plainly where none does. Default: on with prompt lookup")
     g.add_argument("--tree", type=int, default=0, metavar="N",
-                   help="draft a tree of at most N tokens (depth at most -k) and verify all its branches in "
-                        "one forward, instead of a chain of k: EAGLE-2's dynamic tree for EAGLE-3 drafts, "
-                        "several matches for prompt lookup, a chain for the others. 0 (default): chains "
-                        "(README: what a tree buys on a CPU)")
+                   help="draft a tree of at most N tokens (depth at most -k), verified in one forward: EAGLE-2's "
+                        "dynamic tree for EAGLE-3, several matches for lookup. 0 (default): chains")
     g.add_argument("--show", action="store_true",
                    help="colour each token by where it came from: a draft token the verifier kept (by its "
                         "position in the block) or the target's own; plain text when stdout is not a terminal")
@@ -371,22 +385,16 @@ def add_machine_args(ap):
     g.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (capped by the model's)")
     g.add_argument("--device", default=default_device())
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
-                   help="the target's weights. auto (default): on a CPU, the layout timed fastest on this CPU "
-                        "for the forwards about to run (fp32 or bf16, oneDNN-packed or not; int4 where the "
-                        "weights are 4-bit at their source, as the embedded default's are), timed once and "
-                        "remembered per CPU; bfloat16 on CUDA. int8 and int4 (CPU) read fewer bytes a step "
-                        "and change the model a little (README: their cost in quality); greedy speculative "
-                        "decoding reproduces plain decoding of whichever model runs, bit for bit")
+                   help="the target's weights. auto (default): one layout for the whole run, the fastest exact one "
+                        "timed here (README: weight layouts); int8/int4 change the model a little")
     g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="torch.compile the decode step (on CPU with weight freezing); auto = on for CUDA, off "
-                        "for CPU, where inductor cannot compile the packed weights and each block length "
-                        "costs a compile")
+                   help="torch.compile the decode step; auto: on for CUDA, off for CPU (inductor cannot compile the "
+                        "packed weights)")
     g.add_argument("--no-pack", dest="pack", action="store_false",
-                   help="with --dtype float32 or bfloat16 on CPU, keep nn.Linear weights as they are instead "
-                        "of oneDNN's packed layout (--dtype auto times both)")
+                   help="with --dtype float32 or bfloat16 on CPU, keep nn.Linear weights unpacked (not oneDNN's layout)")
     g.add_argument("--threads", default="auto",
-                   help="CPU threads; auto = one per core that is idle when decoding starts (a thread on a "
-                        "core another process keeps busy stalls the others)")
+                   help="CPU threads; auto: one per core idle when decoding starts (a thread on a busy core stalls "
+                        "the others)")
     g.add_argument("--json", action="store_true", help="end with one JSON line of results per prompt")
 
 
@@ -441,6 +449,8 @@ def check_and_complete(ap, args):
         args.draft = "lookup"  # a verifier needs something to verify; the training-free draft
     if args.tree < 0:
         ap.error(f"--tree takes a number of draft tokens >= 1 (0: chains), got {args.tree}")
+    if args.tree and args.verifier == "none":
+        ap.error("--tree drafts trees for a verifier to check; with --verifier none nothing is drafted")
     if args.tree and args.adaptive:
         ap.error("--adaptive sets a chain's length; it does not apply to --tree")
     if args.tree and wants_compile(args.compile, args.device):
@@ -514,6 +524,10 @@ def main(argv=None):
         for text in prompts]
     k = args.num_draft_tokens if args.verifier != "none" else 0
     for ids in encoded:
+        if args.tree and len(ids) + args.max_new_tokens + args.tree > context:
+            raise ValueError(f"--tree {args.tree} drafts up to {args.tree} tokens a step: after a prompt of {len(ids)} "
+                             f"tokens and --max-new-tokens {args.max_new_tokens} the context of {context} has room "
+                             f"for {max(context - len(ids) - args.max_new_tokens, 0)}; lower --tree")
         check_request(context, len(ids), args.max_new_tokens, k, verifier, args.temperature)
     layout = target_layout(args.dtype, args.device, compiled, args.pack)
     target, _ = load_target(str(path), args.device, layout, args.max_seq_len)

@@ -29,6 +29,7 @@ stopped when rerun with the same arguments (a larger --problems extends it). At 
 outcome in OUT (JSON), the figures beside it, and one JSON line of headline figures.
 """
 import argparse
+import difflib
 import gzip
 import json
 import math
@@ -260,6 +261,12 @@ def read_partial(path: Path, fingerprint: dict) -> dict:
     if not path.is_file():
         return {}
     raw = path.read_bytes()
+    ours = (json.dumps({"config": fingerprint}) + "\n").encode()
+    head = raw.split(b"\n", 1)[0] + b"\n"
+    torn_header = b"\n" not in raw and ours.startswith(raw)  # stopped while writing the settings
+    if raw and head != ours and not torn_header:  # refused before anything is written to a file not ours
+        raise ValueError(f"{path} holds a run with other settings (or is not a problems log); pass "
+                         f"another --out, or delete it to start over")
     if raw and not raw.endswith(b"\n"):  # the line being written when the run was stopped
         raw = raw[:raw.rfind(b"\n") + 1]
         with path.open("r+b") as f:
@@ -269,23 +276,18 @@ def read_partial(path: Path, fingerprint: dict) -> dict:
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not a problems log (not UTF-8 at byte {e.start}); pass another --out, or "
                          f"delete it to start over") from None
-    if not lines:  # stopped before its first problem finished
-        return {}
+    configs = fingerprint.get("configs") or []
     done = {}
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(lines[1:], 2):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             record = None
-        if number == 1:
-            if record != {"config": fingerprint}:
-                raise ValueError(f"{path} holds a run with other settings (or is not a problems log); pass "
-                                 f"another --out, or delete it to start over")
-            continue
         if not (isinstance(record, dict) and isinstance(record.get("id"), str)
-                and isinstance(record.get("runs"), dict)):
-            raise ValueError(f"{path} line {number} is not a problem's record; delete that line (or the file) "
-                             f"and rerun")
+                and isinstance(record.get("runs"), dict)
+                and all(isinstance(record["runs"].get(c), dict) for c in configs)):
+            raise ValueError(f"{path} line {number} is not a problem's record with a run of each of "
+                             f"--configs; delete that line (or the file) and rerun")
         done[record["id"]] = record
     return done
 
@@ -611,7 +613,7 @@ def get_args(argv=None):
                     help="comma-separated: arithmetic (graded levels), gsm8k, humaneval")
     ap.add_argument("--problems", type=int, default=100, help="problems per arithmetic level, or per task")
     ap.add_argument("--configs", default="all",
-                    help=f"comma-separated configurations from: {'; '.join(CONFIGS)} (all by default)")
+                    help="comma-separated configuration names (all by default; README's lossy section lists them)")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="tokens drafted per target forward")
     ap.add_argument("--tree", type=int, default=0, metavar="N",
                     help=f"also run {', '.join(TREE_VERSIONS)} with draft trees of N tokens (depth -k), "
@@ -648,7 +650,9 @@ def check_and_complete(ap, args):
     args.configs = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",")]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
-        ap.error(f"unknown configuration {unknown[0]!r}; choose from: {'; '.join(CONFIGS)}")
+        close = difflib.get_close_matches(unknown[0], list(CONFIGS), n=3)
+        ap.error(f"unknown configuration {unknown[0]!r}" + (f" (did you mean {', '.join(close)}?)" if close else "")
+                 + f"; {len(CONFIGS)} are known, from {next(iter(CONFIGS))} on (README's lossy section)")
     if args.tree < 0:
         ap.error(f"--tree takes a number of draft tokens >= 1 (0: chains only), got {args.tree}")
     if args.tree:

@@ -88,7 +88,7 @@ def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> tupl
                 layouts[runs[-1].name] = "transformers float32"
                 continue
             target = targets[weights]
-            draft = None if spec is None else bench.make_draft(spec, target, tokenizer, t, generator, k)
+            draft = None if spec is None else bench.make_draft(spec, target, tokenizer, t, generator)
             runs.append(bench.Run(f"{name} T={t:g}", t, target, draft))
             layouts[runs[-1].name] = target.layout
     return runs, layouts

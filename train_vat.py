@@ -45,7 +45,7 @@ from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_d
 from layouts import default_device, experiment_layout, load_target, machine_problem, start_processes
 
 from corpus import (DEFAULT_DATA, Corpus, batches, build_corpus, build_dataset, corpus_batches, corpus_layers,
-                    Recipe, data_sources, draft_vocabulary, length_groups)
+                    Recipe, data_sources, draft_vocabulary, fitting, length_groups)
 from decode import generate, repo_path
 from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers, eagle3_target_layers)
 from verify import Verifier
@@ -386,10 +386,8 @@ def add_objective_args(ap):
     g.add_argument("--objective", default="vat", choices=("vat", "baseline"),
                    help="vat: the parts in --vat-parts; baseline: the plain EAGLE-3/DFlash loss")
     g.add_argument("--vat-parts", default=None,
-                   help="with --objective vat, which of VAT's changes to apply (the paper's ablation rows): "
-                        "head (verification head, BCE), weighting (decay restarted at the first rejection "
-                        "k*), ce (soft + hard cross-entropy instead of the draft's native one); default: "
-                        "all three")
+                   help="with --objective vat, which of VAT's parts to apply (the ablation rows), comma-separated: "
+                        "head, weighting, ce; default: all three")
     g.add_argument("--vat-label", default="greedy", choices=("greedy", "sample"),
                    help="simulated verification: argmax match, or min(1, p/q) acceptance of a sampled token")
     g.add_argument("--beta", type=float, default=1.0, help="weight of the verification-head loss")
@@ -448,9 +446,8 @@ def add_output_args(ap):
     g.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
     g.add_argument("--cache-dir", default=str(cache_dir() / "train"), help="where regenerated responses are cached")
     g.add_argument("--features", default=None, choices=("captured", "on-the-fly"),
-                   help="captured: keep the target's features and log-probs from response generation on "
-                        "disk (fp16, ~(layers+1)*dim*2 bytes a token; training never runs the target); "
-                        "on-the-fly: a target forward every step (for large targets)")
+                   help="captured: keep the target's features from response generation on disk (training never "
+                        "runs the target); on-the-fly: a target forward every step (large targets)")
     g.add_argument("--prepare-only", action="store_true", help="build (and cache) the data, then stop")
     g.add_argument("--quick", action="store_true", help="smoke run: 12 prompts, 2 steps")
     g.add_argument("--seed", type=int, default=0)
@@ -652,6 +649,9 @@ def main(argv=None):
 
     # model: the draft (new or resumed) and its loss; the target stays frozen beside it
     net, opt, step, log = draft_to_train(args, target, data, device)
+    if args.stop_at is not None and step >= args.stop_at:
+        raise ValueError(f"--stop-at {args.stop_at} lies behind the checkpoint's step {step}: nothing to train "
+                         f"(a later --stop-at, or none, continues it)")
     target.setup_caches(args.batch_size, args.seq_len)  # training forwards: one batch of sequences
     model = DraftLoss(net, target, LossSettings.from_args(args), args.ttt_steps, args.blocks_per_seq)
     if world > 1:  # gradients of the draft are averaged across processes; the target is never all-reduced
@@ -669,8 +669,11 @@ def batch_stream(args, corpus, data: list, rng: random.Random, start: int):
     """Training batches from batch `start` on: from the corpus, whole sequences of similar length, as
     many as fit batch_size * seq_len padded tokens; else fixed-size batches of the regenerated data."""
     if corpus is None:
-        return batches(data, args.batch_size, args.seq_len, rng, start)
-    train_rows = range(args.eval_prompts, len(corpus))
+        keep = fitting([(start, len(ids)) for ids, start, _ in data], args.seq_len)
+        return batches([data[i] for i in keep], args.batch_size, args.seq_len, rng, start)
+    rows = range(args.eval_prompts, len(corpus))
+    train_rows = [rows[i] for i in fitting([(int(corpus.starts[r]), int(corpus.lengths[r])) for r in rows],
+                                           args.seq_len)]
     epoch = len(length_groups(corpus, train_rows, args.batch_size * args.seq_len, args.seq_len))
     print(f"corpus: {len(train_rows)} training sequences, {corpus.response_tokens()} response tokens; "
           f"one epoch is {epoch} steps of up to {args.batch_size * args.seq_len} tokens", file=sys.stderr)

@@ -71,7 +71,10 @@ def probs_from_logits(logits: torch.Tensor, temperature: float = 0.0, top_p: flo
     if temperature <= 0:
         return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1,
                                                                       logits.argmax(-1, keepdim=True), 1.0)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float()
+    # shifted so the largest is 0 before dividing: a tiny temperature then sends the others to -inf
+    # (probability 0) instead of overflowing them all to inf (NaN)
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)

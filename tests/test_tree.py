@@ -304,11 +304,17 @@ def test_cli_tree_flags(capsys):
 
 def test_bench_tree_specs():
     import bench
-    assert bench.split_tree("lookup@tree16") == ("lookup", 16)
-    assert bench.split_early_exit("drafts/x@ee0.2@tree8") == ("drafts/x", 0.2)
+    assert bench.parse_spec("lookup@tree16") == ("lookup", None, 16, False)
+    assert bench.parse_spec("drafts/x@ee0.2@tree8") == ("drafts/x", 0.2, 8, False)
+    assert bench.parse_spec("drafts/x@tree8@ee0.2") == ("drafts/x", 0.2, 8, False)  # in any order
+    assert bench.parse_spec("drafts/x@adapt@ee") == ("drafts/x", "auto", 0, True)
     assert bench.draft_label("drafts/x@ee@tree8") == "x +early-exit tree8"
+    for spec in ("lookup@tree8@adapt", "lookup@adapt@tree4", "lookup@ee", "drafts/x@ee5", "drafts/x@eeabc",
+                 "lookup@tree0", "lookup@adapt@adapt", "lookup@fast"):
+        with pytest.raises(SystemExit):
+            bench.get_args(["--drafts", spec])
     with pytest.raises(SystemExit):
-        bench.get_args(["--drafts", "lookup@tree8@adapt"])
+        bench.get_args(["--drafts", "lookup", "--paired", "lookup,lookup"])
 
 
 # -----------------------------------------------------------------------------
