@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 import model as M
-from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft,
-                   dflash_target_layers, eagle3_target_layers)
+from draft import HybridDraft, LookupDraft, ModelDraft
+from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
+from dflash import DFlash, DFlashDraft, dflash_target_layers
 from model import CheckpointError
 from tokenizer import load_tokenizer
 

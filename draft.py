@@ -8,19 +8,15 @@ eagle_aux_hidden_state_layer_ids, DFlash's target_layer_ids: output of layer j =
 checkpoints.py converts at the checkpoint boundary and nowhere else.
 
 This file holds prompt lookup (n-gram matching, training-free), an independent draft model (any
-model.py checkpoint sharing the target's tokenizer), and the two trained drafts with their
-verification heads: EAGLE-3 (one decoder layer over fused target features, drafting token by
-token) and DFlash (a block-diffusion drafter filling B-1 masked positions in one forward), then
-two wrappers of any draft: a hybrid with prompt lookup, and an adaptive draft length.
+model.py checkpoint sharing the target's tokenizer), what the two trained drafts with verification
+heads share (their networks live in eagle3.py and dflash.py), and two wrappers of any draft: a
+hybrid with prompt lookup, and an adaptive draft length that drafts where it pays.
 """
-import math
 import time
 from typing import Protocol
 
 import torch
-import torch.nn as nn
 
-import model as M
 from verify import probs_from_logits, sample
 
 
@@ -195,75 +191,7 @@ class ModelDraft(ChainAsTree):
 
 
 # -----------------------------------------------------------------------------
-# EAGLE-3: fc fuses three target layers, one decoder layer drafts token by token
-
-def eagle3_target_layers(n_layer: int) -> tuple:
-    """The hidden states entering layers 2, L//2 and L-3 (model.py's index convention)."""
-    return (2, n_layer // 2, n_layer - 3)
-
-
-def dflash_target_layers(n_target_layer: int, n_draft_layer: int) -> tuple:
-    """DFlash's default: the outputs of evenly spaced layers j from the second to the fourth-last,
-    one per draft layer; as hidden states (model.py's convention) those are hidden[j + 1]."""
-    if n_draft_layer == 1:
-        outputs = [n_target_layer // 2]
-    else:
-        lo, hi = 1, n_target_layer - 3
-        outputs = [round(lo + i * (hi - lo) / (n_draft_layer - 1)) for i in range(n_draft_layer)]
-    return tuple(j + 1 for j in outputs)
-
-
-class Eagle3Layer(nn.Module):
-    """The decoder layer whose q/k/v read cat(input_layernorm(embedding), hidden_norm(hidden))."""
-
-    def __init__(self, args: M.ModelArgs):
-        super().__init__()
-        self.input_layernorm = M.RMSNorm(args.dim, args.norm_eps)
-        self.hidden_norm = M.RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = M.Attention(args, in_dim=2 * args.dim)
-        self.post_attention_layernorm = M.RMSNorm(args.dim, args.norm_eps)
-        self.mlp = M.MLP(args)
-
-    def qkv(self, embeds, hidden, cos, sin):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # (..., 2 * dim)
-        return self.self_attn.project(x, cos, sin)
-
-    def finish(self, hidden, attn_out):
-        h = hidden + attn_out  # the residual stream is the incoming hidden state
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Eagle3(nn.Module):
-    """EAGLE-3 draft network. Keys as the released checkpoints: fc, midlayer.*, norm, lm_head,
-    d2t (draft id i -> target id i + d2t[i]), t2d (bool over the target vocabulary), plus ours:
-    verify_head (the verification head, a linear probe + sigmoid on the normed last state)."""
-
-    def __init__(self, args: M.ModelArgs, target_dim: int, draft_vocab: int, target_layers):
-        super().__init__()
-        self.args = args
-        # the target states fc fuses, in model.py's index convention (the input of those layers)
-        self.target_layers = tuple(target_layers)
-        self.fc = nn.Linear(3 * target_dim, args.dim, bias=False)
-        self.midlayer = Eagle3Layer(args)
-        self.norm = M.RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, draft_vocab, bias=False)
-        self.verify_head = nn.Linear(args.dim, 1)
-        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(args.vocab_size, dtype=torch.bool))
-
-    def heads(self, h):
-        """Pre-norm output (..., dim) -> draft-vocabulary logits (..., Vd), verification logit (...)."""
-        x = self.norm(h)
-        return self.lm_head(x), self.verify_head(x)[..., 0]
-
-    def draft_to_target(self) -> torch.Tensor:
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
-
-    def to_target_probs(self, draft_probs):
-        """(..., Vd) -> (..., V): a draft-vocabulary distribution placed on target ids."""
-        out = draft_probs.new_zeros(*draft_probs.shape[:-1], self.args.vocab_size)
-        return out.index_copy_(-1, self.draft_to_target(), draft_probs)
-
+# Shared by the trained drafts (eagle3.py, dflash.py)
 
 class HeadCalibration:
     """The verification head's record, for drafts that have one: with `calibration` a list (bench.py
@@ -282,9 +210,6 @@ class HeadCalibration:
         self.last_head = ()
 
 
-TREE_TOP_K = 4  # children per expanded node and nodes expanded per depth (EAGLE-2 uses 10 on a GPU)
-
-
 def draw_without_replacement(q: torch.Tensor, m: int, generator=None) -> list:
     """Up to m distinct tokens drawn in turn from q (V,), each from q with the earlier ones removed:
     [(token, the distribution it was drawn from (V,), q(token))]. Fewer where q has fewer tokens."""
@@ -298,304 +223,6 @@ def draw_without_replacement(q: torch.Tensor, m: int, generator=None) -> list:
         q = q.clone()
         q[x] = 0
     return drawn
-
-
-class Eagle3Draft(HeadCalibration):
-    """Drives an Eagle3 network inside decode.py's loop (see the module docstring).
-
-    Pairing, the one off-by-one of EAGLE: the draft places the target's fused state at position t
-    together with the embedding of token t+1 (the token that state predicted) at position t of its
-    own cache. So a prompt of L tokens gives L-1 pairs (states 0..L-2 with tokens 1..L-1), and each
-    commit of n+1 tokens brings the states of the n+1 positions they were fed at. Drafted pairs
-    (the draft's own output with its own token) go past the real ones and are overwritten."""
-
-    def __init__(self, net: Eagle3, embed: nn.Embedding, max_seq_len: int,
-                 temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                 early_exit: float | None = None):
-        self.net, self.embed = net, embed
-        self.target_layers = net.target_layers
-        self.max_tokens = float("inf")  # one guess per forward, as many as asked
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
-        self.early_exit = early_exit
-        weight = net.fc.weight
-        self.cache = M.KVCache(1, net.args.n_kv_head, max_seq_len, net.args.head_dim,
-                               weight.dtype, weight.device)
-        self.cos, self.sin = M.rope_table(net.args, max_seq_len, weight.device, weight.dtype)
-        self.forwards = 0
-
-    def start(self, prompt_ids, features=None):
-        self.cache_len = 0
-        self.pending_tokens = list(prompt_ids[1:])
-        self.pending_features = features  # (L-1, 3 * target_dim): states 0..L-2, paired with tokens 1..L-1
-
-    def step(self, tokens, hidden, pos):
-        """One forward at positions pos..pos+T-1; tokens (T,), hidden (T, dim) -> (T, dim)."""
-        layer, T = self.net.midlayer, len(tokens)
-        positions = torch.arange(pos, pos + T, device=hidden.device)
-        queries, keys, values = layer.qkv(self.embed(tokens)[None], hidden[None], self.cos[positions],
-                                          self.sin[positions])
-        keys, values = self.cache.update(positions, keys, values)
-        visible = torch.arange(pos + T, device=hidden.device) <= positions[:, None]  # (T, pos+T)
-        attended = layer.self_attn.attend(queries, keys[:, :, :pos + T], values[:, :, :pos + T], visible)
-        self.forwards += 1
-        return layer.finish(hidden[None], attended)[0]  # pre-norm: what the next draft step feeds back
-
-    def feed_pending(self):
-        """Feed the pairs committed since the last draft forward; returns the last one's output
-        (1, dim), the state the next guess is drafted from."""
-        net = self.net
-        device, dtype = net.fc.weight.device, net.fc.weight.dtype
-        tokens_in = torch.tensor(self.pending_tokens, dtype=torch.long, device=device)
-        fused = net.fc(self.pending_features.to(device, dtype))  # (n, dim)
-        state = self.step(tokens_in, fused, self.cache_len)[-1:]  # (1, dim)
-        self.cache_len += len(tokens_in)
-        self.pending_tokens, self.pending_features = [], None
-        return state
-
-    @torch.no_grad()
-    def propose(self, k: int):
-        net = self.net
-        if not self.pending_tokens:  # a one-token prompt: no target state to draft from yet
-            return no_tokens()
-        state = self.feed_pending()  # (1, dim)
-        tokens, dists = [], []
-        for j in range(k):
-            logits, head_logit = net.heads(state[-1])
-            if self.early_exit is not None and torch.sigmoid(head_logit).item() < self.early_exit:
-                break  # the verification head expects this token rejected: stop drafting here
-            self.note_head(head_logit)
-            q = net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (V,)
-            token = sample(q, self.temperature, self.generator)
-            tokens.append(token)
-            dists.append(q)
-            if j + 1 < k:
-                state = self.step(token.view(1), state[-1:], self.cache_len + j)
-        if not tokens:
-            return no_tokens()
-        return torch.stack(tokens), torch.stack(dists)
-
-    def tree_step(self, tokens, hidden, rope_pos, slots, visible):
-        """One forward of a tree's rows: tokens (T,) with their parents' states hidden (T, dim),
-        rotated at rope_pos (T,), written to slots (T,), each seeing the slots `visible` marks
-        (T, kv_len). -> (T, dim)."""
-        layer = self.net.midlayer
-        queries, keys, values = layer.qkv(self.embed(tokens)[None], hidden[None], self.cos[rope_pos],
-                                          self.sin[rope_pos])
-        keys, values = self.cache.update(slots, keys, values)
-        kv_len = visible.shape[1]
-        attended = layer.self_attn.attend(queries, keys[:, :, :kv_len], values[:, :, :kv_len], visible)
-        self.forwards += 1
-        return layer.finish(hidden[None], attended)[0]
-
-    def feed_nodes(self, expand: list, tokens: list, parents: list, slots: dict, state_of: dict, base: int,
-                   d: int) -> torch.Tensor:
-        """Feed the tree nodes `expand` (all at depth d + 1) in one draft forward, each into a new
-        cache slot after `base` and seeing only the context and its own ancestors; records each
-        node's slot and output state. -> (E, dim), the states their children are drawn from."""
-        device = self.net.fc.weight.device
-        for node in expand:
-            slots[node] = base + len(slots)
-        fed = torch.tensor([slots[i] for i in expand], device=device)
-        visible = torch.zeros(len(expand), base + len(slots), dtype=torch.bool, device=device)
-        visible[:, :base] = True
-        for row, node in enumerate(expand):
-            while node >= 0:  # the node and its ancestors, all fed at earlier depths
-                visible[row, slots[node]] = True
-                node = parents[node]
-        hidden = torch.stack([state_of[parents[i]] for i in expand])  # (E, dim): each parent's output
-        rope = torch.full((len(expand),), base + d, device=device)  # depth d + 1, as in a chain
-        states = self.tree_step(torch.tensor([tokens[i] for i in expand], device=device), hidden, rope, fed,
-                                visible)
-        state_of.update(zip(expand, states))
-        return states
-
-    @torch.no_grad()
-    def propose_tree(self, n: int, depth: int, top_k: int = TREE_TOP_K):
-        """EAGLE-2's dynamic tree: at each depth, the top_k children of each expanded node become
-        candidates scored by their cumulative draft log-probability, and the top_k best of the new
-        candidates are expanded (one draft forward for all of them); finally the n best candidates
-        are kept (a child never scores above its parent, so they form a tree). Children are the
-        draft's top choices, so q is None (verified as one-hot).
-        At T > 0 the children are drawn instead, without replacement from the draft's q, and every
-        child drawn is kept (until n): pruning a drawn child for its value would bias what the
-        verifier sees, so the budget is spent as the tree grows, best nodes expanded first, and
-        q holds each child's distribution. Early exit skips the children of a node whose
-        verification head expects them rejected."""
-        sampled = self.temperature > 0
-        if not self.pending_tokens or n < 1 or depth < 1:
-            return torch.tensor([], dtype=torch.long), [], None
-        expand_states = self.feed_pending()  # (1, dim): the root's
-        base = self.cache_len
-        tokens, parents, scores, slots, qs = [], [], [], {}, []  # candidates; draft cache slot of each fed node
-        expand = [-1]  # nodes whose children come next (-1: the root)
-        state_of = {-1: expand_states[0]}  # a fed node's output: what its children are fed with
-        for d in range(min(depth, n)):
-            new = []
-            for node, children in zip(expand, self.tree_children(expand_states, top_k, lambda: n - len(tokens))):
-                parent_score = scores[node] if node >= 0 else 0.0
-                for lq, x, q_i in children:
-                    new.append(len(tokens))
-                    tokens.append(x)
-                    parents.append(node)
-                    scores.append(parent_score + lq)
-                    qs.append(q_i)
-            if not new or d + 1 == min(depth, n) or sampled and len(tokens) >= n:
-                break
-            expand = sorted(new, key=lambda i: -scores[i])[:top_k]
-            if base + len(slots) + len(expand) > self.cache.k.shape[2]:
-                break  # the draft's cache ends here (near the end of the context)
-            expand_states = self.feed_nodes(expand, tokens, parents, slots, state_of, base, d)
-        if sampled:
-            return torch.tensor(tokens, dtype=torch.long), parents, torch.stack(qs) if qs else None
-        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:n])  # creation order
-        index = {node: j for j, node in enumerate(keep)}
-        return (torch.tensor([tokens[i] for i in keep], dtype=torch.long),
-                [index[parents[i]] if parents[i] >= 0 else -1 for i in keep], None)
-
-    def tree_children(self, expand_states, top_k: int, room):
-        """Yields the children of each expanded node in turn (states (E, dim)), as
-        [(log q, token, q or None)]: its top_k tokens, or at T > 0 up to min(top_k, room()) tokens
-        drawn without replacement, room() being the nodes the tree may still take once the
-        earlier nodes' children are in; [] for a node early exit prunes."""
-        logits, head_logits = self.net.heads(expand_states)  # (E, Vd), (E,)
-        if self.temperature > 0:
-            q_expand = self.net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (E, V)
-        else:
-            to_target = self.net.draft_to_target()
-            logq = torch.log_softmax(logits.float(), -1)
-            top_logq, top_ids = logq.topk(min(top_k, logq.shape[-1]), -1)  # (E, top_k)
-        for e in range(len(expand_states)):
-            if self.early_exit is not None and torch.sigmoid(head_logits[e]).item() < self.early_exit:
-                yield []  # the head expects this node's children rejected: prune the branch
-            elif self.temperature > 0:
-                drawn = draw_without_replacement(q_expand[e], min(top_k, room()), self.generator)
-                yield [(math.log(q_expand[e, x].item()), x, q_i) for x, q_i, _ in drawn]
-            else:
-                yield [(lq, int(to_target[i]), None) for lq, i in zip(top_logq[e].tolist(), top_ids[e].tolist())]
-
-    def commit(self, new_ids, n_accepted, features=None):
-        self.settle_head(n_accepted)
-        # pairs wait here until the next propose feeds them; a step in which another draft proposed
-        # (HybridDraft) leaves them to be fed together with the next step's
-        self.pending_tokens += list(new_ids)
-        self.pending_features = features if self.pending_features is None else \
-            torch.cat([self.pending_features, features])  # (pairs not yet fed, 3 * target_dim)
-
-
-# -----------------------------------------------------------------------------
-# DFlash: a block-diffusion drafter, B-1 masked positions filled in one forward
-
-class DFlashLayer(nn.Module):
-    """A Qwen3-style layer whose queries come from the block and whose keys/values are
-    cat(context, block); the context is the fused target state, the same for every layer."""
-
-    def __init__(self, args: M.ModelArgs):
-        super().__init__()
-        self.input_layernorm = M.RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = M.Attention(args)
-        self.post_attention_layernorm = M.RMSNorm(args.dim, args.norm_eps)
-        self.mlp = M.MLP(args)
-
-    def forward(self, block, ctx, cos, sin, mask, ctx_kv=None):
-        """block (B, nq, dim) after ctx (B, nc, dim); cos/sin for cat(ctx, block) positions.
-        ctx_kv: earlier context keys/values to put in front (inference cache), or None."""
-        n_context = ctx.shape[1]
-        x = torch.cat([ctx, self.input_layernorm(block)], 1)  # (B, n_context + nq, dim)
-        queries, keys, values = self.self_attn.project(x, cos, sin)
-        if ctx_kv is not None:
-            keys, values = torch.cat([ctx_kv[0], keys], 2), torch.cat([ctx_kv[1], values], 2)
-        h = block + self.self_attn.attend(queries[:, :, n_context:], keys, values, mask)  # block queries
-        return h + self.mlp(self.post_attention_layernorm(h)), (keys, values)
-
-
-class DFlash(nn.Module):
-    """DFlash draft network. Keys as the released checkpoints: layers.*, fc, hidden_norm, norm;
-    embeddings and lm_head are the target's. Plus ours: verify_head."""
-
-    def __init__(self, args: M.ModelArgs, target_dim: int, target_layers, block_size: int,
-                 mask_token_id: int):
-        super().__init__()
-        self.args, self.block_size, self.mask_token_id = args, block_size, mask_token_id
-        self.target_layers = tuple(target_layers)  # model.py's convention, like every layer list here
-        self.layers = nn.ModuleList(DFlashLayer(args) for _ in range(args.n_layer))
-        self.fc = nn.Linear(len(self.target_layers) * target_dim, args.dim, bias=False)
-        self.hidden_norm = M.RMSNorm(args.dim, args.norm_eps)
-        self.norm = M.RMSNorm(args.dim, args.norm_eps)
-        self.verify_head = nn.Linear(args.dim, 1)
-
-    def context(self, features):
-        return self.hidden_norm(self.fc(features))
-
-
-def dflash_mask(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
-    """Training attention, (nb*B, T + nb*B) bool: block j sees context positions < anchors[j]
-    and every position of its own block (bidirectional), nothing of other blocks."""
-    nb = len(anchors)
-    ctx = torch.arange(T, device=anchors.device)[None, :] < anchors[:, None]  # (nb, T)
-    own = torch.eye(nb, dtype=torch.bool, device=anchors.device)  # (nb, nb)
-    rows = torch.cat([ctx, own.repeat_interleave(block_size, 1)], 1)  # (nb, T + nb*B)
-    return rows.repeat_interleave(block_size, 0)
-
-
-class DFlashDraft(ChainAsTree, HeadCalibration):
-    """Drives a DFlash network inside decode.py's loop. Context keys/values of each layer are
-    cached at their positions; the block [last committed token, MASK x (B-1)] sits right after."""
-
-    def __init__(self, net: DFlash, embed: nn.Embedding, lm_head: nn.Module, max_seq_len: int,
-                 temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                 early_exit: float | None = None):
-        self.net, self.embed, self.lm_head = net, embed, lm_head
-        self.target_layers = net.target_layers
-        self.max_tokens = net.block_size - 1  # one block drafts at most this many (the anchor is known)
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
-        self.early_exit = early_exit
-        weight, length = net.fc.weight, max_seq_len + net.block_size
-        self.caches = [M.KVCache(1, net.args.n_kv_head, length, net.args.head_dim,
-                                 weight.dtype, weight.device)
-                       for _ in net.layers]
-        self.cos, self.sin = M.rope_table(net.args, length, weight.device, weight.dtype)
-        self.forwards = 0
-
-    def start(self, prompt_ids, features=None):
-        self.anchor, self.context_len = prompt_ids[-1], 0
-        self.pending = features  # (L-1, n * target_dim): positions 0..L-2
-
-    @torch.no_grad()
-    def propose(self, k: int):
-        net, device = self.net, self.net.fc.weight.device
-        B = net.block_size
-        context = net.context(self.pending.to(device, net.fc.weight.dtype))[None]  # (1, n_new, dim)
-        n_new = context.shape[1]
-        anchor_pos = self.context_len + n_new
-        positions = torch.arange(self.context_len, anchor_pos + B, device=device)
-        block = torch.tensor([[self.anchor] + [net.mask_token_id] * (B - 1)], device=device)
-        h = self.embed(block)  # (1, B, dim)
-        for layer, cache in zip(net.layers, self.caches):
-            cached = (cache.k[:, :, :self.context_len], cache.v[:, :, :self.context_len])
-            h, (keys, values) = layer(h, context, self.cos[positions], self.sin[positions], None, cached)
-            # keep the new context keys/values; the block's are recomputed every time
-            new = slice(self.context_len, anchor_pos)
-            cache.update(positions[:n_new], keys[:, :, new], values[:, :, new])
-        self.context_len, self.forwards = anchor_pos, self.forwards + 1
-        self.pending = None
-        x = net.norm(h[0, 1:k + 1])  # (k, dim): block position i predicts the token at anchor_pos + i
-        probs = probs_from_logits(self.lm_head(x), self.temperature, self.top_p)  # (k, V)
-        n = k
-        if self.early_exit is not None:  # stop at the first position the head expects rejected
-            below = (torch.sigmoid(net.verify_head(x)[:, 0]) < self.early_exit).nonzero()
-            n = int(below[0]) if len(below) else k
-        if self.calibration is not None:
-            self.note_head(net.verify_head(x[:n])[:, 0])
-        if n == 0:
-            return no_tokens()
-        return sample(probs[:n], self.temperature, self.generator), probs[:n]
-
-    def commit(self, new_ids, n_accepted, features=None):
-        self.settle_head(n_accepted)
-        self.anchor = new_ids[-1]
-        # the positions after context_len not yet fed (more than one commit's after a step in
-        # which another draft proposed: HybridDraft)
-        self.pending = features if self.pending is None else torch.cat([self.pending, features])
 
 
 # -----------------------------------------------------------------------------
@@ -650,7 +277,7 @@ class HybridDraft:
 class AdaptiveDraft:
     """Wraps any draft and drafts, each step, the number of tokens that pays: the n maximizing
     expected tokens per unit of time, (1 + a + ... + a^n) / cost(n, context), where a is the
-    recent acceptance rate of a drafted token (decayed counts from a prior of one half) and
+    recent acceptance rate of a drafted token (decayed counts from a prior) and
     cost(n, context) what a forward verifying n drafted tokens costs in one-token steps on this
     machine at this context length (layouts.block_cost_model), plus the draft's own time. n = 0 is
     a plain decoding step: where no length pays, the run decodes plainly. It keeps learning
@@ -660,6 +287,9 @@ class AdaptiveDraft:
     one step. The draft still sees every commit."""
 
     MAX_PAUSE = 16
+    # what a drafting step must gain over a plain one: its own work (the proposal, the verifier,
+    # the bookkeeping) is not in the block table, and the estimate of a is noisy
+    MARGIN = 1.04
     DECAY = 0.9  # weight of the past in the acceptance estimate, per drafted token seen
 
     def __init__(self, draft, cost=None, step_seconds: float | None = None):
@@ -681,7 +311,10 @@ class AdaptiveDraft:
 
     def reset(self, context: int):
         """A new sequence: what was learned of the last one's acceptance is dropped."""
-        self.kept, self.tried = 1.0, 2.0
+        # a prior worth two drafted tokens: one half, or a quarter for a free draft, which learns
+        # by being watched at no cost and need not draft to find out
+        prior = 0.25 if getattr(self.draft, "free", False) else 0.5
+        self.kept, self.tried = 2.0 * prior, 2.0
         self.context = context
         self.paused, self.next_pause = 0, 1
         self.proposed, self.watched = 0, []
@@ -697,7 +330,7 @@ class AdaptiveDraft:
         def rate(n):
             cost = (self.cost(n, self.context) if self.cost else 1.0) + n * self.draft_step
             return (1 - a ** (n + 1)) / (1 - a) / cost
-        return max(range(k + 1), key=rate)
+        return max(range(k + 1), key=lambda n: rate(n) / (self.MARGIN if n else 1.0))
 
     def propose(self, k: int):
         self.proposed = 0

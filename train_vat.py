@@ -47,7 +47,8 @@ from layouts import default_device, experiment_layout, load_target, machine_prob
 from corpus import (DEFAULT_DATA, Corpus, batches, build_corpus, build_dataset, corpus_batches, corpus_layers,
                     Recipe, data_sources, draft_vocabulary, fitting, length_groups)
 from decode import generate, repo_path
-from draft import (DFlash, DFlashDraft, Eagle3, Eagle3Draft, dflash_mask, dflash_target_layers, eagle3_target_layers)
+from dflash import DFlash, DFlashDraft, dflash_blocks, dflash_target_layers
+from eagle3 import Eagle3, Eagle3Draft, eagle3_chains, eagle3_target_layers
 from verify import Verifier
 
 
@@ -153,85 +154,6 @@ def objective(draft_logits, head_logits, target_logp, valid, settings: LossSetti
              # the share of positions labelled "kept": a constant head scores max(this, 1 - this)
              "kept_share": (labels.float() * valid_f).sum().item() / n_valid}
     return loss, stats
-
-
-# -----------------------------------------------------------------------------
-# The two drafts' training forwards
-
-def eagle3_chains(net: Eagle3, embed, tokens, features, b, t, K: int):
-    """Training-time test, computed only for the chains that carry loss: the N chains at base
-    positions (b, t) (each (N,)) of tokens (B, T) and features (B, T, 3*dim_t). Returns draft
-    logits (N, K, Vd) and head logits (N, K). Step s of the chain at base t feeds (state, embedding
-    of token t+1+s) at position t+s and predicts token t+2+s; its query sees the step-0 keys of
-    positions <= t (the real prefix) and its own chain's keys of steps 1..s: exactly what drafting
-    from t sees at inference (ttt_mask draws the same pattern for every base at once)."""
-    B, T = tokens.shape
-    layer = net.midlayer
-    cos, sin = M.rope_table(net.args, T + K, features.device, features.dtype)
-    padded = torch.cat([tokens, tokens.new_zeros(B, K + 1)], 1)  # (B, T+K+1): room for the last chains
-    # step 0 everywhere: its keys and values are every chain's prefix
-    grid_state = net.fc(features)  # (B, T, dim)
-    q, prefix_k, prefix_v = layer.qkv(embed(padded[:, 1:1 + T]), grid_state, cos[:T], sin[:T])
-    q = q[b, :, t]  # (N, heads, head_dim): the kept chains' queries
-    state = grid_state[b, t]  # (N, dim)
-    own_k, own_v, logits, heads = [], [], [], []
-    for s in range(K):
-        if s > 0:  # the chains' own steps: one row each, at position t+s
-            q, k, v = layer.qkv(embed(padded[b, t + 1 + s])[None], state[None], cos[t + s], sin[t + s])
-            own_k.append(k[0].transpose(0, 1))  # (N, kv_heads, head_dim)
-            own_v.append(v[0].transpose(0, 1))
-            q = q[0].transpose(0, 1)  # (N, heads, head_dim)
-        attended = chain_attention(q, prefix_k, prefix_v, own_k, own_v, b, t)  # (N, heads*head_dim)
-        state = layer.finish(state, layer.self_attn.o_proj(attended))  # (N, dim)
-        step_logits, step_heads = net.heads(state)
-        logits.append(step_logits)
-        heads.append(step_heads)
-    return torch.stack(logits, 1), torch.stack(heads, 1)
-
-
-def chain_attention(q, prefix_k, prefix_v, own_k: list, own_v: list, b, t):
-    """Attention of N chain queries q (N, H, hd) over their sequence's prefix, prefix_k/v
-    (B, Hkv, T, hd) at positions <= t, and over their own keys own_k/v (s of (N, Hkv, hd)).
-    Returns (N, H*hd). The prefix part runs on the (B, T) grid as one batched matmul (queries
-    scattered to their rows), because a gathered copy of every chain's prefix would cost N*T rows."""
-    N, H, hd = q.shape
-    B, Hkv, T, _ = prefix_k.shape
-    g = H // Hkv  # query heads per key head (grouped-query attention)
-    scale = hd ** -0.5
-    grid_q = q.new_zeros(B, T, H, hd).index_put((b, t), q).view(B, T, Hkv, g, hd).permute(0, 2, 3, 1, 4)
-    prefix = (grid_q @ prefix_k[:, :, None].transpose(-1, -2)).permute(0, 3, 1, 2, 4)[b, t]  # (N, Hkv, g, T)
-    later = torch.arange(T, device=q.device) > t[:, None, None, None]  # keys past the chain's base
-    scores = [prefix.masked_fill(later, float("-inf")) * scale]
-    qn = q.view(N, Hkv, g, hd)
-    if own_k:
-        scores.append(torch.einsum("nkgd,nskd->nkgs", qn, torch.stack(own_k, 1)) * scale)  # (N, Hkv, g, s)
-    weights = torch.cat(scores, -1).softmax(-1)  # (N, Hkv, g, T + s)
-    grid_w = weights.new_zeros(B, T, Hkv, g, T).index_put((b, t), weights[..., :T]).permute(0, 2, 3, 1, 4)
-    out = (grid_w @ prefix_v[:, :, None]).permute(0, 3, 1, 2, 4)[b, t]  # (N, Hkv, g, hd)
-    if own_v:
-        out = out + torch.einsum("nkgs,nskd->nkgd", weights[..., T:], torch.stack(own_v, 1))
-    return out.reshape(N, H * hd)
-
-
-def dflash_blocks(net: DFlash, embed, lm_head, tokens, features, anchors):
-    """tokens (B, T), features (B, T, n*dim_t), anchors (B, nb) -> logits (B, nb, bs-1, V) and
-    head logits (B, nb, bs-1): block j position i predicts the token at anchors[j] + i."""
-    B, T = tokens.shape
-    bs, nb = net.block_size, anchors.shape[1]
-    block_pos = (anchors[..., None] + torch.arange(bs, device=tokens.device)).view(B, nb * bs)  # (B, nb*bs)
-    block_tokens = torch.full((B, nb, bs), net.mask_token_id, dtype=torch.long, device=tokens.device)
-    block_tokens[:, :, 0] = tokens.gather(1, anchors)
-    h = embed(block_tokens.view(B, nb * bs))  # (B, nb*bs, dim)
-    context = net.context(features)  # (B, T, dim)
-    cos_table, sin_table = M.rope_table(net.args, T + bs, h.device, h.dtype)
-    context_pos = torch.arange(T, device=tokens.device).expand(B, T)
-    positions = torch.cat([context_pos, block_pos], 1)  # (B, T + nb*bs)
-    cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]  # (B, 1, T + nb*bs, head_dim)
-    mask = torch.stack([dflash_mask(a, T, bs) for a in anchors])[:, None]  # (B, 1, nb*bs, T + nb*bs)
-    for layer in net.layers:
-        h, _ = layer(h, context, cos, sin, mask)
-    x = net.norm(h.view(B, nb, bs, -1)[:, :, 1:])  # (B, nb, bs-1, dim)
-    return lm_head(x), net.verify_head(x)[..., 0]
 
 
 def target_pass(target, batch, layers):

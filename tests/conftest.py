@@ -18,7 +18,8 @@ import layouts as LY  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import model as M  # noqa: E402
-from draft import DFlash, Eagle3, dflash_target_layers, eagle3_target_layers  # noqa: E402
+from eagle3 import Eagle3, eagle3_target_layers
+from dflash import DFlash, dflash_target_layers
 
 
 def pytest_addoption(parser):

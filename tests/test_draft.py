@@ -8,9 +8,10 @@ import torch.nn.functional as F
 import checkpoints as CK
 import model as M
 from checkpoints import load_draft, save_draft
-import train_vat as TV
 from decode import generate
-from draft import (DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, dflash_mask, dflash_target_layers, eagle3_target_layers)
+from draft import HybridDraft, LookupDraft
+from dflash import DFlashDraft, dflash_blocks, dflash_mask, dflash_target_layers
+from eagle3 import Eagle3Draft, eagle3_chains, eagle3_target_layers
 from verify import Verifier
 
 from conftest import dflash_net, eagle3_net  # noqa: E402
@@ -58,7 +59,7 @@ def test_eagle3_training_forward_equals_inference_chain(target):
     tokens, q = drafter.propose(K)
     full = torch.tensor([prompt + tokens.tolist()])
     with torch.no_grad():
-        logits, _ = TV.eagle3_chains(net, target.embed_tokens, full, features(target, full, layers),
+        logits, _ = eagle3_chains(net, target.embed_tokens, full, features(target, full, layers),
                                      torch.tensor([0]), torch.tensor([t]), K)  # the one chain at base t
     train_q = net.to_target_probs(F.softmax(logits[0], -1))  # (K, V)
     assert torch.allclose(train_q, q, atol=1e-5)
@@ -76,7 +77,7 @@ def test_dflash_training_forward_equals_inference(target):
     _, q = drafter.propose(net.block_size - 1)
     full = torch.tensor([seq])
     with torch.no_grad():
-        logits, _ = TV.dflash_blocks(net, target.embed_tokens, target.lm_head, full, features(target, full, layers),
+        logits, _ = dflash_blocks(net, target.embed_tokens, target.lm_head, full, features(target, full, layers),
                                      torch.tensor([[a, 2]]))  # a second block must not disturb the first
     assert torch.allclose(F.softmax(logits[0, 0], -1), q, atol=1e-5)
 

@@ -18,7 +18,9 @@ import torch
 
 from conftest import dflash_net, eagle3_net
 from decode import exact_verifier, generate
-from draft import AdaptiveDraft, DFlashDraft, Eagle3Draft, HybridDraft, LookupDraft, ModelDraft
+from draft import AdaptiveDraft, HybridDraft, LookupDraft, ModelDraft
+from eagle3 import Eagle3Draft
+from dflash import DFlashDraft
 from verify import Verifier, induced, probs_from_logits
 
 V = 16  # small enough to enumerate every continuation

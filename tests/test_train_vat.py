@@ -22,7 +22,7 @@ import model as M
 from checkpoints import ROOT, load_draft
 import train_vat as TV
 from decode import generate
-from draft import Eagle3, Eagle3Draft, eagle3_target_layers
+from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
 from tokenizer import load_tokenizer
 from verify import Verifier
 

@@ -136,7 +136,8 @@ def test_greedy_follows_the_argmax_down_the_tree():
 import checkpoints as CK
 import layouts as LY  # noqa: E402
 from decode import generate, tree_depths  # noqa: E402
-from draft import Eagle3Draft, HybridDraft, LookupDraft  # noqa: E402
+from draft import HybridDraft, LookupDraft
+from eagle3 import Eagle3Draft
 from test_emits import (FRESH, REPEATING, T, assert_fits, continuation_distribution, index_of,  # noqa: E402
                         median_head_probability)
 from conftest import eagle3_net  # noqa: E402
