@@ -21,14 +21,10 @@ plots beside it, and ends stdout with one JSON line of headline figures.
 import argparse
 import json
 import math
-import os
-import platform
 import re
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,16 +33,16 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from checkpoints import (DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, checkpoint_step,
-                         embedded_gguf_path, resolve_model, write_atomically)
-from layouts import (LAYOUTS, apply_layout, compile_step, cpu_description, default_device, layout_dtype,
-                     load_target, machine_problem, pick_threads, target_layout, wants_compile)
-
-from decode import (adaptive, check_prompt, check_temperature, generate, read_jsonl, record_prompt, repo_path,
-                    repo_relative)
+from checkpoints import DEFAULT_DRAFTS, build_draft, checkpoint_step
+from decode import adaptive, check_temperature, generate
 from draft import HeadCalibration
+from files import DATA, ROOT, read_jsonl, repo_path
+from layouts import (LAYOUTS, apply_layout, compile_step, default_device, layout_dtype, load_target,
+                     machine_problem, pick_threads, target_layout, wants_compile)
+from prompts import check_prompt, record_prompt
+from results import machine_stamp, shown, unwritable, write_results
 from verify import VERIFIERS, Verifier
-
+from weights import DEFAULT_TARGET, HF_REPOS, embedded_gguf_path, resolve_model
 
 # -----------------------------------------------------------------------------
 # Prompts and tasks
@@ -799,56 +795,6 @@ def check_and_complete(ap, args):
     problem = unwritable(args.out)
     if problem:
         ap.error(f"cannot write --out {args.out}: {problem}")
-
-
-def machine_stamp(device: str) -> dict:
-    """What a result was measured on: which CPU (model and the features that decide the fastest
-    weight layout), how many cores and threads, which torch and which commit, and when."""
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()  # noqa: E731
-    return {**cpu_description(),
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": device,
-            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "commit": git("rev-parse", "--short", "HEAD") or "unknown",
-            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "date": time.strftime("%Y-%m-%d")}
-
-
-def unwritable(path: Path) -> str | None:
-    """Why results could not be written to `path`, checked before the hours of work; None if they can."""
-    if path.is_dir():
-        return "it is a directory"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".probe-"):
-            pass
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
-
-
-def write_results(out: Path, result: dict) -> Path:
-    """Write the results atomically; if that fails now (disk full, folder gone), keep them in the
-    temporary directory and say where, rather than lose hours of measurements."""
-    text = json.dumps(result, indent=1, default=str)
-    try:
-        write_atomically(out, text)
-        return out
-    except OSError as e:
-        fallback = Path(tempfile.gettempdir()) / f"vat-bench-{os.getpid()}-{out.name}"
-        fallback.write_text(text)
-        print(f"warning: could not write {out} ({e.strerror or e}); results saved to {fallback}",
-              file=sys.stderr)
-        return fallback
-
-
-def shown(value):
-    """Paths inside the repository as relative ones, so results files name no machine's folders."""
-    if isinstance(value, Path) or isinstance(value, str) and value.startswith("/"):
-        return repo_relative(value)
-    if isinstance(value, list):
-        return [shown(v) for v in value]
-    return value
 
 
 def print_report(args, summary: dict, table: list):

@@ -21,10 +21,10 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from checkpoints import DATA, first_non_finite, save_atomically, write_atomically
-from decode import read_prompts, repo_path
-from eagle3 import eagle3_target_layers
 from dflash import dflash_target_layers
+from eagle3 import eagle3_target_layers
+from files import DATA, first_non_finite, repo_path, save_atomically, write_atomically
+from prompts import read_prompts
 from verify import probs_from_logits, sample
 
 DEFAULT_DATA = ["data/gsm8k_train.jsonl", "data/alpaca_seed_tasks.jsonl"]  # relative to the repository

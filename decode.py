@@ -18,19 +18,19 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 import model as M
-from checkpoints import (DEFAULT_DRAFTS, DEFAULT_TARGET, EARLY_EXIT_DEFAULT, HF_REPOS, ROOT, build_draft,
-                         read_config, resolve_model)
+from checkpoints import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
+from draft import AdaptiveDraft, NoDraft
+from files import repo_path, repo_relative
 from layouts import (compile_step, default_device, layout_reason, load_target, machine_problem, pick_threads,
                      run_block_costs, target_layout, wants_compile, warn_if_blocks_inexact)
-from draft import AdaptiveDraft, NoDraft
+from prompts import read_prompts
 from tokenizer import load_tokenizer
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify, verify_tree
-
+from weights import DEFAULT_TARGET, HF_REPOS, read_config, resolve_model
 
 DECODE_K = 5  # tokens drafted per step by default (report.py measures the same)
 
@@ -203,107 +203,6 @@ def synchronize(device: torch.device):
     """Wait for the GPU, so wall times measure the work and not its launch."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# -----------------------------------------------------------------------------
-# Prompts: a string, a text file, or a jsonl of Spec-Bench / ShareGPT / Alpaca / GSM8K records
-
-def prompt_text(record: dict) -> str:
-    """The first user turn of a record in any of the formats we read; a record whose fields are
-    not what its format says is a one-line error."""
-    def text(value, field):
-        if not isinstance(value, str):
-            raise ValueError(f"its {field} is {type(value).__name__} {str(value)[:40]!r}, not text")
-        return value
-    if "turns" in record:  # Spec-Bench, MT-bench
-        turns = record["turns"]
-        if not isinstance(turns, list) or not turns:
-            raise ValueError(f"its 'turns' must be a non-empty list of strings, got {str(turns)[:40]!r}")
-        return text(turns[0], "first turn")
-    if "conversations" in record:  # ShareGPT
-        turns = record["conversations"]
-        human = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")),
-                     None) if isinstance(turns, list) else None
-        if human is None:
-            raise ValueError("its 'conversations' hold no turn from 'human' or 'user'")
-        return text(human, "first human turn")
-    if "instruction" in record:  # Alpaca
-        extra = record.get("input") or (record.get("instances") or [{}])[0].get("input", "")
-        return text(record["instruction"], "instruction") + (f"\n\n{text(extra, 'input')}" if extra else "")
-    for key in ("question", "prompt", "text"):  # GSM8K, HumanEval, plain
-        if key in record:
-            return record[key]
-    raise ValueError(f"cannot find a prompt in a record with keys {sorted(record)}")
-
-
-def repo_path(path) -> Path:
-    """A path as given, or relative to the repository when it is not found from here (so the
-    default data/... paths work from any working directory)."""
-    path = Path(path)
-    return path if path.exists() or path.is_absolute() else ROOT / path
-
-
-def repo_relative(path) -> str:
-    """A path inside the repository as a relative one (what outputs and results files show)."""
-    p = Path(path)
-    inside = p.is_absolute() and p.resolve().is_relative_to(ROOT)
-    return str(p.resolve().relative_to(ROOT)) if inside else str(path)
-
-
-def read_text(path: Path) -> str:
-    """A text file's contents; one that is not UTF-8 text is a one-line error naming it."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): is it the file you meant?") from None
-
-
-def read_jsonl(path) -> list:
-    """[(line number, record)] of a jsonl file, skipping blank lines; a bad line is a one-line error."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"file not found: {path}")
-    records = []
-    for number, line in enumerate(read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {number} is not valid JSON: {e}") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path} line {number} is not a JSON object")
-        records.append((number, record))
-    return records
-
-
-def read_prompts(path) -> list:
-    """The prompts of a text file (the whole file is one) or a jsonl (one per record)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"prompt file not found: {path}")
-    if path.suffix != ".jsonl":
-        prompts = [read_text(path)]
-    else:
-        prompts = [check_prompt(record_prompt(r, f"{path} line {n}"), f"{path} line {n}") for n, r in read_jsonl(path)]
-    if not prompts or not all(p.strip() for p in prompts):
-        raise ValueError(f"{path} holds no prompt" if not prompts else f"{path} is empty")
-    return prompts
-
-
-def record_prompt(record: dict, where: str) -> str:
-    """prompt_text, its errors naming the file and line."""
-    try:
-        return prompt_text(record)
-    except (ValueError, AttributeError, TypeError, IndexError) as e:
-        raise ValueError(f"{where}: {e}") from None
-
-
-def check_prompt(text, where: str) -> str:
-    """A prompt must be non-empty text: None or '' would decode nothing, or the word 'None'."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{where}: the prompt is {'empty' if isinstance(text, str) else repr(text)}")
-    return text
 
 
 def get_args(argv=None):

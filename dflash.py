@@ -12,6 +12,7 @@ import model as M
 from draft import ChainAsTree, HeadCalibration, no_tokens
 from verify import probs_from_logits, sample
 
+
 def dflash_target_layers(n_target_layer: int, n_draft_layer: int) -> tuple:
     """DFlash's default: the outputs of evenly spaced layers j from the second to the fourth-last,
     one per draft layer; as hidden states (model.py's convention) those are hidden[j + 1]."""

@@ -18,6 +18,7 @@ import model as M
 from draft import HeadCalibration, draw_without_replacement, no_tokens
 from verify import probs_from_logits, sample
 
+
 def eagle3_target_layers(n_layer: int) -> tuple:
     """The hidden states entering layers 2, L//2 and L-3 (model.py's index convention)."""
     return (2, n_layer // 2, n_layer - 3)

@@ -29,8 +29,9 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from checkpoints import cache_dir, load_model, read_config, resolve_model, write_atomically
+from files import write_atomically
 from tokenizer import load_tokenizer
+from weights import cache_dir, load_model, read_config, resolve_model
 
 # -----------------------------------------------------------------------------
 # Device, threads, compilation

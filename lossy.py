@@ -46,13 +46,14 @@ import torch
 from tqdm import tqdm
 
 import model as M
-from checkpoints import DATA, DEFAULT_DRAFTS, DEFAULT_TARGET, HF_REPOS, ROOT, build_draft, resolve_model
+from checkpoints import DEFAULT_DRAFTS, build_draft
+from decode import generate
+from files import DATA, ROOT, read_jsonl, repo_path
 from layouts import default_device, experiment_layout, load_target, machine_problem, pick_threads
-
-from bench import shown, unwritable, write_results
-from decode import generate, read_jsonl, repo_path
+from results import shown, unwritable, write_results
 from sandbox import SandboxError, check_sandbox, run_untrusted
 from verify import Verifier, induced, own_distribution
+from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
 
 GSM8K_DRAFT = ROOT / "drafts" / "smollm2-135m-eagle3-gsm8k"  # the strongest draft for answers with numbers
 

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 import bench
-from decode import DECODE_K, repo_relative
 import model as M
-from checkpoints import DATA, DEFAULT_TARGET, ROOT, resolve_model, write_atomically
+from decode import DECODE_K
+from files import DATA, ROOT, repo_relative, write_atomically
 from layouts import CPU_FEATURES, load_target, machine_problem, pick_threads
-
+from weights import DEFAULT_TARGET, resolve_model
 
 RESULTS = ROOT / "docs" / "results.json"
 README = ROOT / "README.md"

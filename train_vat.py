@@ -39,19 +39,17 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import model as M
-from checkpoints import (DEFAULT_TARGET, HF_REPOS, ROOT, cache_dir, checkpoint_dirs, draft_kind,
-                         latest_checkpoint, load_draft, load_model, read_config, read_log, resolve_model,
+from checkpoints import (checkpoint_dirs, draft_kind, latest_checkpoint, load_draft, read_log,
                          save_checkpoint, save_draft)
-from layouts import default_device, experiment_layout, load_target, machine_problem, start_processes
-
-from corpus import (DEFAULT_DATA, Corpus, batches, build_corpus, build_dataset, corpus_batches, corpus_layers,
-                    Recipe, data_sources, draft_vocabulary, fitting, length_groups)
-from decode import generate, repo_path
+from corpus import (DEFAULT_DATA, Corpus, Recipe, batches, build_corpus, build_dataset, corpus_batches,
+                    corpus_layers, data_sources, draft_vocabulary, fitting, length_groups)
+from decode import generate
 from dflash import DFlash, DFlashDraft, dflash_blocks, dflash_target_layers
 from eagle3 import Eagle3, Eagle3Draft, eagle3_chains, eagle3_target_layers
+from files import ROOT, repo_path
+from layouts import default_device, experiment_layout, load_target, machine_problem, start_processes
 from verify import Verifier
-
-
+from weights import DEFAULT_TARGET, HF_REPOS, cache_dir, load_model, read_config, resolve_model
 
 # -----------------------------------------------------------------------------
 # VAT: simulated verification, first rejection, head labels, adaptive weights
@@ -685,7 +683,7 @@ def learning_curves(run_dirs: list) -> dict:
 
 
 def write_learning_curves(out: Path, run_dirs: list, argv=None):
-    from bench import machine_stamp, write_results  # the one home of results files and their stamp
+    from results import machine_stamp, write_results  # the one home of results files and their stamp
     command = "python train_vat.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     runs = learning_curves(run_dirs)
     write_results(out, {"command": command, "machine": machine_stamp("cpu"), "runs": runs})

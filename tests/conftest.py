@@ -12,7 +12,7 @@ import torch
 # start) keep theirs in a file of this session, not in the user's cache
 os.environ["SPECDEC_LAYOUT_CACHE"] = str(Path(tempfile.mkdtemp(prefix="layouts-")) / "layouts.json")
 
-import checkpoints as CK
+import weights as WT
 import layouts as LY  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -86,7 +86,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    return CK.resolve_model("smollm2-135m")
+    return WT.resolve_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
@@ -155,7 +155,7 @@ def models(tmp_path_factory):
     write_tiny_checkpoint(draft_dir, "llama3", seed=2, vocab=16, layers=1)
 
     def load(path, int8=False):
-        m = CK.load_model(path)
+        m = WT.load_model(path)
         m.setup_caches(1, 64)
         return M.quantize_int8(m) if int8 else m
     return {"target": load(target_dir), "int8": load(target_dir, int8=True), "draft_dir": draft_dir,

@@ -11,8 +11,11 @@ import torch
 import corpus as C
 import lossy
 import checkpoints as CK
+import weights as WT
+import files as FL
 import model as M
-from checkpoints import ROOT, load_draft, save_draft
+from checkpoints import load_draft, save_draft
+from files import ROOT
 import train_vat as TV
 from conftest import eagle3_net
 from test_train_vat import corpus_recipe, tiny_chat_target
@@ -23,7 +26,7 @@ from tokenizer import load_tokenizer
 @pytest.fixture
 def chat_target(tmp_path):
     tiny_chat_target(tmp_path / "target")
-    target = CK.load_model(tmp_path / "target")
+    target = WT.load_model(tmp_path / "target")
     target.setup_caches(4, 64)
     return target, load_tokenizer(tmp_path / "target")
 
@@ -88,7 +91,7 @@ def test_training_stops_at_the_first_non_finite_loss_and_saves_nothing(tmp_path,
 
 
 def test_non_finite_drafts_are_neither_saved_nor_loaded(tmp_path, tiny_dir):
-    target = CK.load_model(tiny_dir("qwen3_untied"))
+    target = WT.load_model(tiny_dir("qwen3_untied"))
     net = eagle3_net(target)
     good = save_draft(net, tmp_path / "good", target.args)
     from safetensors.torch import load_file, save_file
@@ -106,7 +109,7 @@ def test_non_finite_drafts_are_neither_saved_nor_loaded(tmp_path, tiny_dir):
 
 
 def test_a_draft_trained_for_another_target_loads_with_a_warning(tmp_path, tiny_dir, capsys):
-    target = CK.load_model(tiny_dir("qwen3_untied"))
+    target = WT.load_model(tiny_dir("qwen3_untied"))
     net = eagle3_net(target)
     save_draft(net, tmp_path / "other", target.args, {"vat": {"target": str(tiny_dir("llama3"))}})
     save_draft(net, tmp_path / "own", target.args, {"vat": {"target": str(tiny_dir("qwen3_untied"))}})
@@ -200,7 +203,7 @@ def test_prompt_records_of_the_wrong_shape_are_named(tmp_path, line, message, de
 def tiny_drafts(tmp_path, tiny_dir):
     """(target, an EAGLE-3 draft folder, a DFlash draft folder) on a tiny target."""
     from conftest import dflash_net
-    target = CK.load_model(tiny_dir("qwen3_untied"))
+    target = WT.load_model(tiny_dir("qwen3_untied"))
     target.setup_caches(1, 128)
     eagle = save_draft(eagle3_net(target), tmp_path / "eagle", target.args)
     dflash = save_draft(dflash_net(target, block=4), tmp_path / "dflash", target.args)
@@ -266,7 +269,7 @@ def test_a_tiny_temperature_decodes_with_a_tree_end_to_end(tiny_dir):
     from decode import generate
     from draft import LookupDraft
     from verify import Verifier
-    target = CK.load_model(tiny_dir("llama3"))
+    target = WT.load_model(tiny_dir("llama3"))
     target.setup_caches(1, 128)
     prompt = [5, 17, 3, 5, 17, 3, 5, 17]
     for tree in (0, 4):
@@ -310,7 +313,7 @@ def test_writing_a_folder_through_a_dangling_link_is_refused(tmp_path, tiny_draf
 
 
 def test_written_folders_are_readable_by_others(tmp_path):
-    with CK.directory_written_atomically(tmp_path / "out") as tmp:
+    with FL.directory_written_atomically(tmp_path / "out") as tmp:
         (tmp / "model.safetensors").write_bytes(b"x")
         (tmp / "model.safetensors").chmod(0o600)  # as some writers create their files
     assert (tmp_path / "out" / "model.safetensors").stat().st_mode & 0o777 == 0o644
@@ -328,7 +331,7 @@ def test_an_unreadable_weights_file_is_named_as_such(tmp_path, tiny_dir, monkeyp
         return real_open(path, *a, **k)
     monkeypatch.setattr(builtins, "open", denied)
     with pytest.raises(M.CheckpointError, match="cannot read .*model.safetensors: permission denied"):
-        CK.load_model(tmp_path / "m")
+        WT.load_model(tmp_path / "m")
 
 
 def test_the_problems_log_refuses_a_foreign_file_before_touching_it(tmp_path):

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-import checkpoints as CK
+import weights as WT
 import model as M
-from checkpoints import ROOT
+from files import ROOT
 from layouts import compile_step
 from decode import generate
 from draft import LookupDraft, ModelDraft
@@ -18,7 +18,7 @@ from verify import Verifier, probs_from_logits
 
 
 def load(path, batch=1, int8=False):
-    m = CK.load_model(path)
+    m = WT.load_model(path)
     m.setup_caches(batch, 256)
     return M.quantize_int8(m) if int8 else m
 
@@ -185,7 +185,7 @@ def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
     assert get_args(["--temperature", "1", "--verifier", "none"]).draft is None
     assert capsys.readouterr().err == ""
     a = get_args(["--verifier", "overshoot"])
-    assert a.temperature == 1.0 and a.draft == str(DEFAULT_DRAFTS[CK.DEFAULT_TARGET])
+    assert a.temperature == 1.0 and a.draft == str(DEFAULT_DRAFTS[WT.DEFAULT_TARGET])
     assert "--temperature defaults to 1" in capsys.readouterr().err
     a = get_args(["--verifier", "minp", "--temperature", "0", "--draft", "lookup"])
     assert a.temperature == 0.0 and "is greedy verification" in capsys.readouterr().err

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import checkpoints as CK
+import weights as WT
+import files as FL
 import model as M
 from checkpoints import load_draft, save_draft
 from decode import generate
@@ -19,7 +21,7 @@ from conftest import dflash_net, eagle3_net  # noqa: E402
 
 @pytest.fixture(scope="module")
 def target(tiny_dir):
-    m = CK.load_model(tiny_dir("qwen3_untied"))
+    m = WT.load_model(tiny_dir("qwen3_untied"))
     m.setup_caches(1, 128)
     return m
 
@@ -94,7 +96,7 @@ def test_dflash_greedy_speculative_equals_plain(target):
 def released_eagle3(path, target, fmt):
     """A checkpoint with exactly the names, shapes and config of the published EAGLE-3 drafts."""
     net = eagle3_net(target)
-    sd = CK.unfuse_to_hf({k: v for k, v in net.state_dict().items() if not k.startswith("verify_head")}, net.args)
+    sd = WT.unfuse_to_hf({k: v for k, v in net.state_dict().items() if not k.startswith("verify_head")}, net.args)
     sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "midlayer.mlp.gate_proj.weight",
             "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(sd)
@@ -323,7 +325,7 @@ def test_every_committed_draft_loads_for_the_default_target_and_stays_small(smol
     from checkpoints import load_draft
     committed = sorted(p for p in (Path(__file__).resolve().parent.parent / "drafts").iterdir() if p.is_dir())
     assert len(committed) >= 4
-    target = CK.load_model(smollm2_dir)
+    target = WT.load_model(smollm2_dir)
     kinds = set()
     for folder in committed:
         assert sum(f.stat().st_size for f in folder.iterdir()) < 25e6, folder
@@ -343,7 +345,7 @@ def test_committed_dflash_draft_decodes_the_default_target_exactly(default_int4)
                                   "rolls. How many rolls are left?"}])
     plain = generate(target, ids, max_new_tokens=64, stop_ids=tokenizer.stop_ids)
     for early_exit in (None, "auto"):
-        draft = CK.build_draft(str(CK.ROOT / "drafts" / "smollm2-135m-dflash-gsm8k"), target, tokenizer,
+        draft = CK.build_draft(str(FL.ROOT / "drafts" / "smollm2-135m-dflash-gsm8k"), target, tokenizer,
                                early_exit=early_exit)
         assert isinstance(draft, DFlashDraft)
         spec = generate(target, ids, draft, Verifier("greedy"), k=7, max_new_tokens=64,

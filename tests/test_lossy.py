@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import ROOT
+from files import ROOT
 from conftest import needs_bwrap
 
 import lossy
-import checkpoints as CK
+import weights as WT
+import model as M
 from decode import generate
 from draft import ModelDraft
 from verify import Verifier, induced, own_distribution, verify
@@ -162,7 +163,7 @@ def test_every_sampling_rule_draws_the_same_random_numbers():
 def test_one_seed_couples_verifiers_that_decide_alike(tiny_dir):
     """Lossless, CoS with lam = 1 and the overshoot ceiling with c = 1 are one rule: from one seed
     they must produce the same tokens, draft samples and all."""
-    target, draft_net = CK.load_model(tiny_dir("qwen3_untied")), CK.load_model(tiny_dir("qwen3_tied"))
+    target, draft_net = WT.load_model(tiny_dir("qwen3_untied")), WT.load_model(tiny_dir("qwen3_tied"))
     target.setup_caches(1, 128)
     draft_net.setup_caches(1, 128)
     g = torch.Generator()
@@ -251,7 +252,7 @@ def test_missing_weights_and_drafts_fail_in_one_line_and_keep_the_log_usable(tmp
     out = tmp_path / "r.json"
     missing = tmp_path / "no-such-model"
     # a missing target is refused before any worker starts: in this process
-    with pytest.raises(CK.CheckpointError, match=re.escape(str(missing))) as refusal:
+    with pytest.raises(M.CheckpointError, match=re.escape(str(missing))) as refusal:
         lossy.main(["--target", str(missing), "--draft", "lookup", "--workers", "2", "--problems", "1",
                     "--out", str(out)])
     assert "\n" not in str(refusal.value)

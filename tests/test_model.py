@@ -6,10 +6,10 @@ import shutil
 import pytest
 import torch
 
-import checkpoints as CK
+import weights as WT
 import layouts as LY
 import model as M
-from checkpoints import ROOT
+from files import ROOT
 from tokenizer import load_tokenizer
 
 
@@ -20,7 +20,7 @@ def hf_model(path):
 
 
 def ours(path, max_seq_len=128, pack=False):
-    m = CK.load_model(path)
+    m = WT.load_model(path)
     m.setup_caches(4, max_seq_len)
     return M.pack_for_cpu(m) if pack else m
 
@@ -139,9 +139,9 @@ def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
         raise KeyboardInterrupt  # as if the user pressed Ctrl-C halfway
     monkeypatch.setattr(safetensors.torch, "save_file", die)
     # what is written does not matter to what an interruption leaves: skip dequantizing the weights
-    monkeypatch.setattr(CK, "gguf_tensors_in_hf_names", lambda reader, meta: {"model.norm.weight": torch.ones(4)})
+    monkeypatch.setattr(WT, "gguf_tensors_in_hf_names", lambda reader, meta: {"model.norm.weight": torch.ones(4)})
     with pytest.raises(KeyboardInterrupt):
-        CK.convert_embedded_smollm2(tmp_path / "smol")
+        WT.convert_embedded_smollm2(tmp_path / "smol")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -154,9 +154,9 @@ def test_gguf_conversion_cleans_up_after_killed_ones(tmp_path):
         (d / "model.safetensors").write_bytes(b"half")
     out.mkdir()  # a cache folder without weights, which used to block every later run
     (out / "config.json").write_text("{}")
-    assert CK.convert_embedded_smollm2(out) == out and (out / "model.safetensors").is_file()
+    assert WT.convert_embedded_smollm2(out) == out and (out / "model.safetensors").is_file()
     assert not dead.exists() and live.exists()
-    assert CK.load_model(out).args.n_layer == 30
+    assert WT.load_model(out).args.n_layer == 30
 
 
 def test_rms_norm_computes_in_fp32_like_transformers():
@@ -178,21 +178,21 @@ def test_unpermute_inverts_llama_cpp_permutation():
     w = torch.randn(rows, cols).numpy()
     # llama.cpp's convert_hf_to_gguf permute()
     permuted = w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-    assert (CK.unpermute_qk(permuted, n_head) == w).all()
+    assert (WT.unpermute_qk(permuted, n_head) == w).all()
 
 
 def test_resolve_names(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(M.CheckpointError, match="huggingface-cli download Qwen/Qwen3-4B"):
-        CK.resolve_model("qwen3-4b")
+        WT.resolve_model("qwen3-4b")
     snap = tmp_path / "models--Qwen--Qwen3-4B" / "snapshots" / "abc123"
     snap.mkdir(parents=True)
     (snap / "config.json").write_text("{}")
     (tmp_path / "models--Qwen--Qwen3-4B" / "refs").mkdir()
     (tmp_path / "models--Qwen--Qwen3-4B" / "refs" / "main").write_text("abc123")
-    assert CK.resolve_model("qwen3-4b") == snap
+    assert WT.resolve_model("qwen3-4b") == snap
     with pytest.raises(M.CheckpointError, match="neither a directory nor a known model"):
-        CK.resolve_model("qwen9-1t")
+        WT.resolve_model("qwen9-1t")
 
 
 # -----------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def broken_copy(tiny_dir, tmp_path, how):
     src = tiny_dir("llama3", shard=True)
     dst = tmp_path / how
     shutil.copytree(src, dst)
-    shutil.copy(CK.resolve_model(CK.DEFAULT_TARGET) / "tokenizer.json", dst)
+    shutil.copy(WT.resolve_model(WT.DEFAULT_TARGET) / "tokenizer.json", dst)
     if how == "missing_shard":
         next(dst.glob("model-00002-*.safetensors")).unlink()
     elif how == "wrong_shape":
@@ -258,7 +258,7 @@ def six_layers(tmp_path):
     from conftest import write_tiny_checkpoint
     path = tmp_path / "tiny6"
     write_tiny_checkpoint(path, "llama3", layers=6)
-    shutil.copy(CK.resolve_model(CK.DEFAULT_TARGET) / "tokenizer.json", path)
+    shutil.copy(WT.resolve_model(WT.DEFAULT_TARGET) / "tokenizer.json", path)
     return path
 
 
@@ -426,7 +426,7 @@ def test_every_layout_auto_may_verify_in_speculates_exactly_on_the_default_targe
     the default target's real shapes (on one AMD EPYC, bf16-packed at one thread did not)."""
     from decode import generate
     from draft import LookupDraft
-    path = CK.resolve_model(CK.DEFAULT_TARGET)
+    path = WT.resolve_model(WT.DEFAULT_TARGET)
     tok = load_tokenizer(path)
     prompts = [json.loads(line)["prompt"] for line in
                (ROOT / "data" / "arithmetic_test.jsonl").read_text().splitlines()[:3]]
@@ -457,5 +457,5 @@ def test_layout_flags(tiny_dir):
     config = json.loads((tiny_dir("llama3") / "config.json").read_text())
     assert "source_quantization" not in config
     if M.packable(torch.bfloat16):
-        converted = CK.resolve_model(CK.DEFAULT_TARGET)
+        converted = WT.resolve_model(WT.DEFAULT_TARGET)
         assert "int4" in LY.layout_candidates(converted)

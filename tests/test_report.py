@@ -5,7 +5,7 @@ import re
 import pytest
 
 import report
-from checkpoints import ROOT
+from files import ROOT
 
 
 def test_readme_shows_what_the_results_file_renders_to():

@@ -18,8 +18,10 @@ from test_draft import dflash_net, eagle3_net
 
 import corpus as C
 import checkpoints as CK
+import weights as WT
 import model as M
-from checkpoints import ROOT, load_draft
+from checkpoints import load_draft
+from files import ROOT
 import train_vat as TV
 from decode import generate
 from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
@@ -362,7 +364,7 @@ def tiny_training(target, objective, steps, seed=0):
 
 
 def test_tiny_training_raises_simulated_tau_and_decodes_exactly(tiny_dir):
-    target = CK.load_model(tiny_dir("qwen3_untied"))
+    target = WT.load_model(tiny_dir("qwen3_untied"))
     target.setup_caches(1, 128)
     net, before, after, prompts = tiny_training(target, "vat", steps=40)
     assert after["sim_tau"] > before["sim_tau"] + 0.3, (before, after)
@@ -431,7 +433,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     assert [s["step"] for s in log] == [1, 2, 3, 4]
     assert sorted((tmp_path / "cache").glob("corpus-*/shard-*.pt" if kind == "eagle3" else "responses-*.pt")) \
         == sorted(cache)
-    found, net = load_draft(tmp_path / "run" / "checkpoint", CK.load_model(tmp_path / "target"))
+    found, net = load_draft(tmp_path / "run" / "checkpoint", WT.load_model(tmp_path / "target"))
     assert found == kind and json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())["vat"]["step"] == 4
     # the record of the run: its curve as logged, what it trained, the machine; refused for a non-run
     TV.main(["--learning-curves", str(tmp_path / "curves.json"), "--runs", str(tmp_path / "run")])
@@ -452,7 +454,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     config = json.loads((shipped / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16" and config["early_exit_threshold"] == 0.2
     assert config["vat"]["step"] == 4 and not (shipped / "train_state.pt").exists()
-    bf16_target = CK.load_model(tmp_path / "target", dtype=torch.bfloat16)
+    bf16_target = WT.load_model(tmp_path / "target", dtype=torch.bfloat16)
     _, trained = load_draft(tmp_path / "run" / "checkpoint", bf16_target)
     found, exported = load_draft(shipped, bf16_target)
     assert found == kind
@@ -472,7 +474,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
 def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, kind):
     grads = []
     for pack in (False, True):
-        target = CK.load_model(tiny_dir("qwen3_untied"))
+        target = WT.load_model(tiny_dir("qwen3_untied"))
         if pack:
             M.pack_for_cpu(target)
         target.setup_caches(2, 40)
@@ -523,7 +525,7 @@ def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, draft):
         return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
                 for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
     assert log("chunks") == log("whole") and [s["step"] for s in log("whole")] == list(range(1, 7))
-    target = CK.load_model(tmp_path / "target")
+    target = WT.load_model(tmp_path / "target")
     whole, chunks = load_draft(tmp_path / "whole" / "checkpoint", target)[1], \
         load_draft(tmp_path / "chunks" / "checkpoint", target)[1]
     for (name, a), (_, b) in zip(whole.state_dict().items(), chunks.state_dict().items()):
@@ -606,7 +608,7 @@ def prompt_response_batch(vocab, lengths, starts, seed=0):
 def test_chain_training_equals_the_dense_reference(tiny_dir, parts):
     """Training only the chains that carry loss gives the dense reference's loss terms and
     gradients (up to its normalization: a mean over all B*T chains, padding and prompt included)."""
-    target = CK.load_model(tiny_dir("qwen3_untied"))
+    target = WT.load_model(tiny_dir("qwen3_untied"))
     target.setup_caches(3, 40)
     net = eagle3_net(target).train()
     settings, K = TV.LossSettings(frozenset(parts)), 4
@@ -644,7 +646,7 @@ def test_captured_rows_equal_a_full_forward(tmp_path):
     """What generation captures for each token is what a full forward over the finished
     sequence computes: the layers' states, the final-normed state, logsumexp and argmax."""
     tiny_chat_target(tmp_path / "target")
-    target = CK.load_model(tmp_path / "target")
+    target = WT.load_model(tmp_path / "target")
     target.setup_caches(3, 64)
     layers = C.corpus_layers(target.args.n_layer)
     prompts = [[1, 5, 9, 40, 41], [2, 7], [3, 60, 61, 62, 70, 80, 90]]  # left padding differs per row
@@ -671,7 +673,7 @@ def test_training_from_the_corpus_equals_training_on_the_fly(tmp_path, kind):
     """A batch of the captured corpus gives the loss a target forward on its tokens gives."""
     import random
     tiny_chat_target(tmp_path / "target")
-    target = CK.load_model(tmp_path / "target")
+    target = WT.load_model(tmp_path / "target")
     target.setup_caches(4, 64)
     tokenizer = load_tokenizer(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
@@ -736,7 +738,7 @@ def test_corpus_batches_cover_every_sequence_once_an_epoch_with_little_padding(t
 
 def test_an_interrupted_corpus_build_continues_where_it_stopped(tmp_path):
     tiny_chat_target(tmp_path / "target")
-    target = CK.load_model(tmp_path / "target")
+    target = WT.load_model(tmp_path / "target")
     target.setup_caches(4, 64)
     tokenizer = load_tokenizer(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
@@ -782,4 +784,4 @@ def test_train_vat_under_torchrun_ddp(tmp_path):
                        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["steps"] == 3
-    assert load_draft(tmp_path / "run" / "checkpoint", CK.load_model(tmp_path / "target"))[0] == "eagle3"
+    assert load_draft(tmp_path / "run" / "checkpoint", WT.load_model(tmp_path / "target"))[0] == "eagle3"

@@ -134,6 +134,7 @@ def test_greedy_follows_the_argmax_down_the_tree():
 # The target's tree attention: each node's row is its own path's one-token step
 
 import checkpoints as CK
+import files as FL
 import layouts as LY  # noqa: E402
 from decode import generate, tree_depths  # noqa: E402
 from draft import HybridDraft, LookupDraft
@@ -279,7 +280,7 @@ def test_default_target_tree_decoding_is_its_plain_decoding(default_int4):
                     stop_ids=tokenizer.stop_ids, tree=16)
     assert tree["tokens"] == plain["tokens"] and tree["target_forwards"] < plain["target_forwards"]
     # and the committed GSM8K EAGLE-3 draft's dynamic trees, with early exit pruning branches
-    draft = CK.build_draft(str(CK.ROOT / "drafts" / "smollm2-135m-eagle3-gsm8k-2ep"), target, tokenizer,
+    draft = CK.build_draft(str(FL.ROOT / "drafts" / "smollm2-135m-eagle3-gsm8k-2ep"), target, tokenizer,
                            early_exit="auto")
     ids = tokenizer.encode_chat([{"role": "user", "content": "Tom has 3 boxes of 12 pencils and gives away 5 "
                                   "pencils. How many pencils does he have left?"}])

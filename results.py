@@ -1,0 +1,67 @@
+"""
+Results files: every number the project reports is written with the machine it was measured on
+(CPU model and features, cores, threads, torch, commit, date), whole, and with no machine's paths.
+"""
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from files import ROOT, repo_relative, write_atomically
+from layouts import cpu_description
+
+
+def machine_stamp(device: str) -> dict:
+    """What a result was measured on: which CPU (model and the features that decide the fastest
+    weight layout), how many cores and threads, which torch and which commit, and when."""
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()  # noqa: E731
+    return {**cpu_description(),
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": device,
+            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "commit": git("rev-parse", "--short", "HEAD") or "unknown",
+            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def unwritable(path: Path) -> str | None:
+    """Why results could not be written to `path`, checked before the hours of work; None if they can."""
+    if path.is_dir():
+        return "it is a directory"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".probe-"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def write_results(out: Path, result: dict) -> Path:
+    """Write the results atomically; if that fails now (disk full, folder gone), keep them in the
+    temporary directory and say where, rather than lose hours of measurements."""
+    text = json.dumps(result, indent=1, default=str)
+    try:
+        write_atomically(out, text)
+        return out
+    except OSError as e:
+        fallback = Path(tempfile.gettempdir()) / f"vat-bench-{os.getpid()}-{out.name}"
+        fallback.write_text(text)
+        print(f"warning: could not write {out} ({e.strerror or e}); results saved to {fallback}",
+              file=sys.stderr)
+        return fallback
+
+
+def shown(value):
+    """Paths inside the repository as relative ones, so results files name no machine's folders."""
+    if isinstance(value, Path) or isinstance(value, str) and value.startswith("/"):
+        return repo_relative(value)
+    if isinstance(value, list):
+        return [shown(v) for v in value]
+    return value
