@@ -16,6 +16,7 @@ import files as FL
 import model as M
 from checkpoints import load_draft, save_draft
 from files import ROOT
+import objectives as OB
 import train_vat as TV
 from conftest import eagle3_net
 from test_train_vat import corpus_recipe, tiny_chat_target
@@ -74,12 +75,12 @@ def test_training_stops_at_the_first_non_finite_loss_and_saves_nothing(tmp_path,
     tiny_chat_target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"question {i}"}) + "\n" for i in range(8)))
-    real_loss = TV.eagle3_loss
+    real_loss = OB.eagle3_loss
 
     def poisoned(*a):
         loss, stats = real_loss(*a)
         return loss * float("nan"), stats
-    monkeypatch.setattr(TV, "eagle3_loss", poisoned)
+    monkeypatch.setattr(OB, "eagle3_loss", poisoned)
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="the loss is nan at step 1"):
         TV.main(["--target", str(tmp_path / "target"), "--data", str(prompts), "--num-prompts", "8",

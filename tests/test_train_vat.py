@@ -22,6 +22,7 @@ import weights as WT
 import model as M
 from checkpoints import load_draft
 from files import ROOT
+import objectives as OB
 import train_vat as TV
 from decode import generate
 from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
@@ -256,14 +257,14 @@ def hand_made_chains():
 def test_each_vat_part_changes_only_its_own_term(parts):
     draft, head, tgt, valid = hand_made_chains()
     N, K = valid.shape
-    settings = TV.LossSettings(frozenset(parts), "greedy", 0.5)
-    loss, _ = TV.objective(draft, head, tgt, valid, settings, TV.eagle3_decay, native="soft")
+    settings = OB.LossSettings(frozenset(parts), "greedy", 0.5)
+    loss, _ = OB.objective(draft, head, tgt, valid, settings, OB.eagle3_decay, native="soft")
     logq = F.log_softmax(draft, -1)
     soft = -(tgt.exp() * logq).sum(-1)
     hard = -logq.gather(-1, tgt.argmax(-1, keepdim=True))[..., 0]
     ce = (soft + hard if "ce" in parts else soft) * valid
     accepted = (draft.argmax(-1) == tgt.argmax(-1)) | ~valid
-    kstar, labels, w_hat = TV.vat_targets(accepted, TV.eagle3_decay)
+    kstar, labels, w_hat = OB.vat_targets(accepted, OB.eagle3_decay)
     weights = w_hat if "weighting" in parts else 0.8 ** torch.arange(K).float()
     expected = (weights * ce).sum() / N
     if "head" in parts:
@@ -280,8 +281,8 @@ def test_sampled_labels_do_not_force_rejection_outside_the_draft_vocabulary():
     outside = torch.zeros(N, K, dtype=torch.bool)
     valid = torch.ones(N, K, dtype=torch.bool)
     for label, sim_tau in (("sample", K + 1), ("greedy", 1)):
-        settings = TV.LossSettings(frozenset(TV.VAT_PARTS), label)
-        _, stats = TV.objective(logp.clone(), torch.zeros(N, K), logp, valid, settings, TV.eagle3_decay,
+        settings = OB.LossSettings(frozenset(TV.VAT_PARTS), label)
+        _, stats = OB.objective(logp.clone(), torch.zeros(N, K), logp, valid, settings, OB.eagle3_decay,
                                 native="soft", target_in_vocab=outside)
         assert stats["sim_tau"] == pytest.approx(sim_tau), label
 
@@ -291,11 +292,11 @@ def test_sampled_labels_do_not_force_rejection_outside_the_draft_vocabulary():
 
 def test_vat_targets_on_hand_made_rows():
     accepted = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
-    kstar, labels, w = TV.vat_targets(accepted, TV.eagle3_decay)
+    kstar, labels, w = OB.vat_targets(accepted, OB.eagle3_decay)
     assert kstar.tolist() == [3, 5, 1]
     assert labels.tolist() == [[True, True, False, False], [True] * 4, [False] * 4]
     assert torch.allclose(w, torch.tensor([[1, 1, 1, 0.8], [1, 1, 1, 1], [1, 0.8, 0.64, 0.512]]))
-    _, _, wd = TV.vat_targets(accepted, TV.dflash_decay)
+    _, _, wd = OB.vat_targets(accepted, OB.dflash_decay)
     assert torch.allclose(wd[2], torch.exp(-torch.arange(4.0) / 7))
 
 
@@ -305,13 +306,13 @@ def test_baseline_objective_is_the_plain_loss():
     draft, tgt = torch.randn(N, K, V), F.log_softmax(torch.randn(N, K, V), -1)
     valid = torch.rand(N, K) > 0.2
     # the baseline objective: --vat-parts is ignored, no part of VAT applies
-    baseline = TV.LossSettings.from_args(argparse.Namespace(objective="baseline", vat_label="greedy",
+    baseline = OB.LossSettings.from_args(argparse.Namespace(objective="baseline", vat_label="greedy",
                                                             vat_parts=TV.VAT_PARTS, beta=1.0))
     assert baseline.parts == frozenset()
-    loss, _ = TV.objective(draft, torch.zeros(N, K), tgt, valid, baseline, TV.eagle3_decay, native="soft")
+    loss, _ = OB.objective(draft, torch.zeros(N, K), tgt, valid, baseline, OB.eagle3_decay, native="soft")
     soft = -(tgt.exp() * F.log_softmax(draft, -1)).sum(-1) * valid
     assert torch.allclose(loss, (0.8 ** torch.arange(K) * soft).sum() / N)
-    loss, _ = TV.objective(draft, torch.zeros(N, K), tgt, valid, baseline, TV.dflash_decay, native="hard")
+    loss, _ = OB.objective(draft, torch.zeros(N, K), tgt, valid, baseline, OB.dflash_decay, native="hard")
     hard = F.cross_entropy(draft.flatten(0, 1), tgt.argmax(-1).flatten(), reduction="none").view(N, K) * valid
     assert torch.allclose(loss, (torch.exp(-torch.arange(K) / 7) * hard).sum() / N)
 
@@ -321,8 +322,8 @@ def test_vat_objective_on_hand_made_logits():
     tgt = F.log_softmax(torch.tensor([[[2.0, 0], [2.0, 0], [2.0, 0]]]), -1)
     draft = torch.tensor([[[1.0, 0], [0, 1.0], [1.0, 0]]])
     head = torch.tensor([[3.0, -3.0, 0.0]])
-    settings = TV.LossSettings(frozenset(TV.VAT_PARTS))
-    loss, stats = TV.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), settings, TV.eagle3_decay,
+    settings = OB.LossSettings(frozenset(TV.VAT_PARTS))
+    loss, stats = OB.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), settings, OB.eagle3_decay,
                                native="soft")
     ce = -(tgt.exp() * F.log_softmax(draft, -1)).sum(-1) - F.log_softmax(draft, -1)[..., 0]
     weights = torch.tensor([1.0, 1.0, 0.8])  # 1 before k*, then the decay restarts at k*
@@ -330,7 +331,7 @@ def test_vat_objective_on_hand_made_logits():
     assert torch.allclose(loss, (weights * ce).sum() + bce)
     assert stats["sim_tau"] == 2.0 and stats["weighting_changes"] == 1.0  # k* = 2: the weights differ
     draft[0, 0] = torch.tensor([0, 1.0])  # now rejected at k = 1: VAT's weights are the baseline's
-    _, stats = TV.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), settings, TV.eagle3_decay,
+    _, stats = OB.objective(draft, head, tgt, torch.ones(1, 3, dtype=torch.bool), settings, OB.eagle3_decay,
                             native="soft")
     assert stats["sim_tau"] == 1.0 and stats["weighting_changes"] == 0.0
 
@@ -343,7 +344,7 @@ def tiny_training(target, objective, steps, seed=0):
     for p in prompts:
         out = generate(target, p, max_new_tokens=26)["tokens"]
         data.append((p + out, len(p), "prompt"))
-    settings = TV.LossSettings.from_args(argparse.Namespace(objective=objective, vat_label="greedy",
+    settings = OB.LossSettings.from_args(argparse.Namespace(objective=objective, vat_label="greedy",
                                                             vat_parts=TV.VAT_PARTS, beta=1.0))
     net = eagle3_net(target, draft_vocab=97).train()
     net.d2t.zero_()
@@ -352,13 +353,13 @@ def tiny_training(target, objective, steps, seed=0):
     stream = C.batches(data, 16, 32, __import__("random").Random(0))
     target.setup_caches(16, 40)
     batch = next(stream)
-    _, before = TV.eagle3_loss(net, target, batch, settings, K=4)
+    _, before = OB.eagle3_loss(net, target, batch, settings, K=4)
     for _ in range(steps):
-        loss, _ = TV.eagle3_loss(net, target, next(stream), settings, K=4)
+        loss, _ = OB.eagle3_loss(net, target, next(stream), settings, K=4)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    _, after = TV.eagle3_loss(net, target, batch, settings, K=4)
+    _, after = OB.eagle3_loss(net, target, batch, settings, K=4)
     target.setup_caches(1, 128)
     return net.eval(), before, after, prompts
 
@@ -483,7 +484,7 @@ def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, 
         tokens = torch.randint(0, 96, (2, 24))
         mask = torch.zeros(2, 24)
         mask[:, 6:] = 1
-        loss, _ = TV.DraftLoss(net, target, TV.LossSettings(frozenset(TV.VAT_PARTS)), ttt_steps=3,
+        loss, _ = OB.DraftLoss(net, target, OB.LossSettings(frozenset(TV.VAT_PARTS)), ttt_steps=3,
                                blocks_per_seq=2)(tokens, mask)
         loss.backward()
         assert all(p.grad is None for p in target.parameters())  # the target stays frozen
@@ -578,7 +579,7 @@ def dense_eagle3_loss(net, target, tokens, response, settings, K):
 
     def chains(x):
         return x.transpose(1, 2).flatten(0, 1)
-    return TV.objective(chains(logits), chains(heads), chains(target_logp), chains(valid), settings, TV.eagle3_decay,
+    return OB.objective(chains(logits), chains(heads), chains(target_logp), chains(valid), settings, OB.eagle3_decay,
                         native="soft", target_in_vocab=chains(in_vocab))
 
 
@@ -611,12 +612,12 @@ def test_chain_training_equals_the_dense_reference(tiny_dir, parts):
     target = WT.load_model(tiny_dir("qwen3_untied"))
     target.setup_caches(3, 40)
     net = eagle3_net(target).train()
-    settings, K = TV.LossSettings(frozenset(parts)), 4
+    settings, K = OB.LossSettings(frozenset(parts)), 4
     tokens, mask = prompt_response_batch(96, [30, 17, 24], [9, 5, 14])
     B, T = tokens.shape
     dense, dense_stats = dense_eagle3_loss(net, target, tokens, mask, settings, K)
     dense_grads = torch.autograd.grad(dense, list(net.parameters()), allow_unused=True)
-    fast, fast_stats = TV.eagle3_loss(net, target, (tokens, mask), settings, K)
+    fast, fast_stats = OB.eagle3_loss(net, target, (tokens, mask), settings, K)
     fast_grads = torch.autograd.grad(fast, list(net.parameters()), allow_unused=True)
     # the chains kept: every base t whose predictions t+2 .. t+K+1 reach a response token
     kept = sum((n - 3) - max(start - 1 - K, 0) + 1 for n, start in zip([30, 17, 24], [9, 5, 14]))
@@ -683,7 +684,7 @@ def test_training_from_the_corpus_equals_training_on_the_fly(tmp_path, kind):
     corpus = C.Corpus(*C.build_corpus(target, tokenizer, recipe))
     assert len(corpus) == 10 and corpus.layers == C.corpus_layers(target.args.n_layer)
     net = eagle3_net(target, draft_vocab=97) if kind == "eagle3" else dflash_net(target, block=4)
-    loss = TV.DraftLoss(net, target, TV.LossSettings(frozenset(TV.VAT_PARTS)), ttt_steps=3, blocks_per_seq=2)
+    loss = OB.DraftLoss(net, target, OB.LossSettings(frozenset(TV.VAT_PARTS)), ttt_steps=3, blocks_per_seq=2)
     batch = next(C.corpus_batches(corpus, range(2, 10), 200, 64, random.Random(0)))
     target.setup_caches(len(batch[0]), batch[0].shape[1])
     torch.manual_seed(1)
