@@ -25,8 +25,9 @@ import model as M
 from checkpoints import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
 from draft import AdaptiveDraft, NoDraft
 from files import repo_path, repo_relative
-from layouts import (compile_step, default_device, layout_reason, load_target, machine_problem, pick_threads,
-                     run_block_costs, target_layout, wants_compile, warn_if_blocks_inexact)
+from layouts import (compile_step, default_device, drafting_is_exact, layout_reason, load_target,
+                     machine_problem, pick_threads, run_block_costs, target_layout, wants_compile,
+                     warn_if_blocks_inexact)
 from prompts import read_prompts
 from tokenizer import load_tokenizer
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify, verify_tree
@@ -340,8 +341,9 @@ def check_and_complete(ap, args):
     committed = DEFAULT_DRAFTS.get(args.target)
     if args.draft is None and lossy:
         args.draft = str(committed) if committed is not None and committed.is_dir() else "lookup"
-    if args.draft is None and args.verifier is None:
-        args.draft = "lookup"  # exact at any temperature, and ahead of plain decoding in README's table
+    args.default_draft = args.draft is None and args.verifier is None
+    if args.default_draft:
+        args.draft = "lookup"  # exact at any temperature, and drafting only where it pays (--adaptive)
     if args.verifier is None:
         args.verifier = "none" if args.draft is None else ("greedy" if args.temperature == 0 else "lossless")
     if args.verifier != "none" and args.draft is None:
@@ -404,23 +406,14 @@ def summary_line(result: dict, args, speculative: bool) -> str:
     return line
 
 
-def main(argv=None):
-    args = get_args(argv)
-    verifier = make_verifier(args.verifier, args.temperature, p_base=args.p_base, eps=args.eps,
-                             delta=args.delta, lam=args.lam, lenience=args.lenience,
-                             ceiling=args.ceiling)  # bad parameters fail before any weights load
-    if args.device == "cpu":
-        torch.set_num_threads(pick_threads(args.threads))
+def encode_prompts(args, tokenizer, context: int, verifier: Verifier) -> list:
+    """The prompts of --prompt or --prompt-file as token ids (chat-templated unless --raw), each
+    checked to fit the context with the tokens the run may add."""
     prompts = read_prompts(repo_path(args.prompt_file)) if args.prompt_file else \
         [args.prompt if args.prompt is not None else "Explain in three sentences why the sky is blue."]
-    compiled = wants_compile(args.compile, args.device)
-    # every prompt is checked before any weights load (or layouts are timed)
-    path = resolve_model(args.target)
-    tokenizer = load_tokenizer(path)
-    context = min(args.max_seq_len, M.ModelArgs.from_hf_config(read_config(path)).max_position_embeddings)
-    encoded = [tokenizer.encode(text) if args.raw else tokenizer.encode_chat(
-        ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}])
-        for text in prompts]
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    encoded = [tokenizer.encode(text) if args.raw else tokenizer.encode_chat(system + [{"role": "user", "content": text}])
+               for text in prompts]
     k = args.num_draft_tokens if args.verifier != "none" else 0
     for ids in encoded:
         if args.tree and len(ids) + args.max_new_tokens + args.tree > context:
@@ -428,19 +421,51 @@ def main(argv=None):
                              f"tokens and --max-new-tokens {args.max_new_tokens} the context of {context} has room "
                              f"for {max(context - len(ids) - args.max_new_tokens, 0)}; lower --tree")
         check_request(context, len(ids), args.max_new_tokens, k, verifier, args.temperature)
+    return encoded
+
+
+def run_draft(args, target, tokenizer, generator):
+    """The run's draft, or None. Where the layout's blocks are not exact here, the default decodes
+    plainly (drafting would change the output) and a draft asked for is run with a warning."""
+    exact = drafting_is_exact(target)
+    if args.verifier == "none":
+        return None
+    if args.default_draft and not exact:
+        print(f"note: on this CPU {target.layout} blocks do not give the bits of one-token steps, so drafting "
+              f"would change the output: decoding plainly (--dtype float32 drafts exactly)", file=sys.stderr)
+        args.verifier, args.draft = "none", None
+        return None
+    draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
+                        generator=generator, early_exit=args.early_exit)
+    if not exact:
+        print(f"note: on this CPU {target.layout} blocks do not give the bits of one-token steps: greedy "
+              f"speculation may part from plain decoding (--dtype float32 drafts exactly)", file=sys.stderr)
+    elif not target.choice:
+        warn_if_blocks_inexact(target, args.num_draft_tokens + 1)
+    return adaptive(draft, target) if args.adaptive else draft
+
+
+def main(argv=None):
+    args = get_args(argv)
+    verifier = make_verifier(args.verifier, args.temperature, p_base=args.p_base, eps=args.eps,
+                             delta=args.delta, lam=args.lam, lenience=args.lenience,
+                             ceiling=args.ceiling)  # bad parameters fail before any weights load
+    if args.device == "cpu":
+        torch.set_num_threads(pick_threads(args.threads))
+    compiled = wants_compile(args.compile, args.device)
+    path = resolve_model(args.target)
+    tokenizer = load_tokenizer(path)
+    context = min(args.max_seq_len, M.ModelArgs.from_hf_config(read_config(path)).max_position_embeddings)
+    encoded = encode_prompts(args, tokenizer, context, verifier)  # every prompt checked before loading
     layout = target_layout(args.dtype, args.device, compiled, args.pack)
-    target, _ = load_target(str(path), args.device, layout, args.max_seq_len)
+    # the cache holds what this run can reach, not all of --max-seq-len
+    reach = max(len(ids) for ids in encoded) + args.max_new_tokens + max(args.num_draft_tokens, args.tree) + 1
+    target, _ = load_target(str(path), args.device, layout, min(context, reach))
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    draft = None
-    if args.verifier != "none":
-        draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
-                            generator=generator, early_exit=args.early_exit)
-        draft = adaptive(draft, target) if args.adaptive else draft
-        if not target.choice:
-            warn_if_blocks_inexact(target, args.num_draft_tokens + 1)
+    print(f"[{layout_reason(target)}]", file=sys.stderr)
+    draft = run_draft(args, target, tokenizer, generator)
     step_fn = compile_step(target) if compiled else target
     args.layout = target.layout
-    print(f"[{layout_reason(target)}]", file=sys.stderr)
 
     show = TokenColours(args.show and sys.stdout.isatty())
     if show.on:

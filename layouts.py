@@ -138,6 +138,7 @@ def apply_layout(model: M.Transformer, layout: str, device: str) -> M.Transforme
 def build_target(path: Path, layout: str, device: str, max_seq_len: int, n_layer: int | None = None):
     """The model at `path` in `layout` (its first n_layer layers only, for a probe), caches
     allocated, ready for inference."""
+    return_freed_weights()
     target = apply_layout(load_model(path, layout_dtype(layout), device, n_layer), layout, device)
     target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))  # in the final dtype
     return target
@@ -340,40 +341,65 @@ def valid_choice(entry) -> bool:
         and all(str(b) in entry["blocks_ms"] for b in BLOCKS) and valid_per_key(entry.get("attention_ms_per_key"))
 
 
-def choose_layout(path: Path, max_seq_len: int) -> dict:
-    """{layout, ms, inexact, blocks_ms}: the layout of this machine's runs of the model at `path`,
-    the estimated one-token step of each candidate (ms), the candidates whose blocks part from
-    one-token steps here (inexact), and the chosen layout's estimated forward of each block size
-    (blocks_ms). Measured once on probes (see the module docstring), then read from LAYOUT_CACHE."""
+def choose_layout(path: Path) -> dict:
+    """{layout, ms, inexact, blocks_ms, attention_ms_per_key}: the layout of this machine's runs of
+    the model at `path` (the fastest estimated one-token step, ms), the candidates whose blocks
+    part from one-token steps here (inexact: where the chosen one is among them, drafting would
+    change the output and the default decodes plainly), and the chosen layout's estimated forward
+    of each block size. Measured once on probes, one alive at a time (see the module docstring),
+    then read from LAYOUT_CACHE."""
     key = cache_key(path, "layout")
     known = read_cache().get(key)
     if valid_choice(known):
         return known
     n_layer = int(read_config(path).get("num_hidden_layers") or 1)
     quiet = machine_is_quiet()
-    ms, inexact, fastest = {}, [], None
-    context = min(max_seq_len, LONG_CONTEXT + max(BLOCKS))
+    ms, inexact = {}, []
+    context = LONG_CONTEXT + max(BLOCKS)  # (a probe's cache is small whatever the run's context)
     for layout in tqdm(layout_candidates(path), desc="timing weight layouts (once per CPU)", file=sys.stderr):
         probe = build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS)
         ms[layout] = estimated_ms(probe, n_layer, 1)
         if inexact_blocks(probe):
             inexact.append(layout)
-        elif fastest is None or ms[layout] < ms[fastest.layout]:
-            fastest = probe  # (only the fastest exact probe is kept alive)
         del probe
-    best, probe = fastest.layout, fastest
+        release_memory()
+    best = min(ms, key=ms.get)
+    probe = build_target(path, best, "cpu", context, n_layer=PROBE_LAYERS)
     blocks_ms = {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS}
     per_key = attention_ms_per_key(probe, n_layer)
-    if inexact:
-        print(f"note: on this CPU {', '.join(inexact)} blocks do not give the bits of one-token steps "
-              f"(greedy speculation would part from plain decoding): not chosen", file=sys.stderr)
+    del probe
+    release_memory()
     entry = {"layout": best, "ms": ms, "inexact": inexact, "blocks_ms": blocks_ms,
              "attention_ms_per_key": per_key, "date": time.strftime("%Y-%m-%d")}
     keep(key, entry, quiet and machine_is_quiet())
     return entry
 
 
-def block_table(path: Path, layout: str, max_seq_len: int) -> dict:
+def return_freed_weights():
+    """Make glibc give every block of a megabyte or more back to the system when it is freed.
+    Loading reads each weight, then a layout replaces it with its packed or quantized form; by
+    default glibc keeps the freed weights' memory for reuse, and a model would peak at twice its
+    size. (Elsewhere than glibc the allocator decides.)"""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 1 MiB
+    except (OSError, AttributeError):
+        pass
+
+
+def release_memory():
+    """Hand the memory of dropped probes back to the system (glibc keeps freed blocks for reuse,
+    and the whole model is built next)."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: its allocator decides
+
+
+def block_table(path: Path, layout: str) -> dict:
     """{"blocks_ms": {block size: estimated ms}, "attention_ms_per_key": ...} of a layout asked for
     by name (auto's come with its choice), measured on a probe once and kept as auto's decision is."""
     key = cache_key(path, f"blocks {layout}")
@@ -383,7 +409,7 @@ def block_table(path: Path, layout: str, max_seq_len: int) -> dict:
         return known
     quiet = machine_is_quiet()
     n_layer = int(read_config(path).get("num_hidden_layers") or 1)
-    probe = build_target(path, layout, "cpu", min(max_seq_len, LONG_CONTEXT + max(BLOCKS)), n_layer=PROBE_LAYERS)
+    probe = build_target(path, layout, "cpu", LONG_CONTEXT + max(BLOCKS), n_layer=PROBE_LAYERS)
     table = {"blocks_ms": {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS},
              "attention_ms_per_key": attention_ms_per_key(probe, n_layer)}
     keep(key, table, quiet and machine_is_quiet())
@@ -417,7 +443,7 @@ def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int):
         raise ValueError(problem)
     choice = {}
     if layout == "auto":
-        choice = choose_layout(path, max_seq_len)
+        choice = choose_layout(path)
         layout = choice["layout"]
     target = build_target(path, layout, device, max_seq_len)
     target.choice = choice
@@ -445,7 +471,7 @@ def run_block_costs(target: M.Transformer) -> tuple:
     if target.embed_tokens.weight.device.type != "cpu":
         return None, None
     table = target.choice if getattr(target, "choice", None) else \
-        block_table(target.source, target.layout, target.max_seq_len)
+        block_table(target.source, target.layout)
     apart = any(isinstance(m, M.Attention) and m.row_by_row for m in target.modules())
     return block_cost_model(table, apart), float(table["blocks_ms"]["1"]) / 1e3
 
@@ -459,11 +485,18 @@ def warn_if_blocks_inexact(target: M.Transformer, block: int):
               f"steps: greedy speculation may part from plain decoding (--dtype auto does not)", file=sys.stderr)
 
 
+def drafting_is_exact(target: M.Transformer) -> bool:
+    """Whether verification blocks give the bits of one-token steps in the run's layout (as far
+    as auto's probe saw; a layout asked for by name is trusted, with warn_if_blocks_inexact)."""
+    choice = getattr(target, "choice", None)
+    return not choice or choice["layout"] not in choice["inexact"]
+
+
 def layout_reason(target: M.Transformer) -> str:
     """One line on why a run's weights are in their layout."""
     choice = getattr(target, "choice", None)
     if not choice:
-        return f"{target.layout} weights"
+        return f"{target.layout} weights, as asked"
     others = ", ".join(f"{layout} {ms:.1f}" for layout, ms in choice["ms"].items() if layout != choice["layout"])
     return (f"{target.layout} weights: auto's fastest one-token step here, {choice['ms'][choice['layout']]:.1f} "
             f"ms (est.; {others})")

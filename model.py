@@ -387,8 +387,8 @@ def pack_for_cpu(model: nn.Module, batch_hint: int = 8) -> nn.Module:
     p = next(model.parameters())
     if p.device.type != "cpu" or not packable(p.dtype):
         return model
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
+    for module in [m for m in model.modules() if any(type(c) is nn.Linear for c in m.children())]:
+        for name, child in list(module.named_children()):  # (each replaced Linear is freed at once)
             if type(child) is nn.Linear:
                 setattr(module, name, PackedLinear(child, batch_hint))
     return model
@@ -443,8 +443,8 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     p = next(model.parameters())
     if p.device.type != "cpu":
         raise ValueError("int8 weights run on the CPU only; use bfloat16 on a GPU")
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
+    for module in [m for m in model.modules() if any(type(c) is nn.Linear for c in m.children())]:
+        for name, child in list(module.named_children()):  # (each replaced Linear is freed at once)
             if type(child) is nn.Linear:
                 setattr(module, name, Int8Linear(child))
     return attend_row_by_row(model)
@@ -500,7 +500,7 @@ def quantize_int4(model: nn.Module) -> nn.Module:
     p = next(model.parameters())
     if p.device.type != "cpu":
         raise ValueError("int4 weights run on the CPU only; use bfloat16 on a GPU")
-    for module in list(model.modules()):
+    for module in [m for m in model.modules() if any(type(c) is nn.Linear for c in m.children())]:
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and name != "lm_head" and child.in_features % INT4_GROUP == 0 \
                     and child.out_features % 16 == 0:  # (what torch's int4 packing takes)

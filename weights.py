@@ -159,8 +159,8 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
 
 
 def fuse_hf(sd: dict) -> dict:
-    """HF's separate q/k/v and gate/up matrices (weights and biases) -> our fused ones."""
-    sd = dict(sd)
+    """HF's separate q/k/v and gate/up matrices (weights and biases) -> our fused ones, in place:
+    each part is dropped as its fused matrix is made, so a model never holds both."""
     for key in [k for k in sd if ".self_attn.q_proj." in k or ".mlp.gate_proj." in k]:
         for fused, parts in FUSED.items():
             if f".{parts[0]}." in key:
@@ -186,9 +186,10 @@ def unfuse_to_hf(sd: dict, args: M.ModelArgs) -> dict:
 
 
 def hf_to_ours(hf: dict, args: M.ModelArgs) -> dict:
-    """Rename HF keys to ours and fuse q/k/v and gate/up into single matrices."""
+    """Rename HF keys to ours and fuse q/k/v and gate/up into single matrices (emptying `hf`)."""
     sd = {}
-    for key, t in hf.items():
+    for key in list(hf):
+        t = hf.pop(key)
         if key.startswith("model."):
             key = key[len("model."):]
         if args.tie_word_embeddings and key == "lm_head.weight":
