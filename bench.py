@@ -37,8 +37,8 @@ from checkpoints import DEFAULT_DRAFTS, build_draft, checkpoint_step
 from decode import adaptive, check_temperature, generate
 from draft import HeadCalibration
 from files import DATA, ROOT, read_jsonl, repo_path
-from layouts import (LAYOUTS, apply_layout, compile_step, default_device, layout_dtype, load_target,
-                     machine_problem, pick_threads, target_layout, wants_compile)
+from layouts import (LAYOUTS, apply_layout, block_cost_model, choose_layout, compile_step, default_device,
+                     layout_dtype, load_target, machine_problem, pick_threads, target_layout, wants_compile)
 from prompts import check_prompt, record_prompt
 from results import machine_stamp, shown, unwritable, write_results
 from verify import VERIFIERS, Verifier
@@ -203,19 +203,25 @@ def llama_cpp_peer(kind: str, k: int):
                 logits_all=kind == "lookup", verbose=False)  # verification reads every drafted position
 
     def run(ids, max_new_tokens, temperature, stop_ids):
-        t0, new = time.perf_counter(), []
+        t0, new, first = time.perf_counter(), [], None
+        llm.reset()  # generate() reuses the cache of a prompt that shares a prefix with the last: prefill anew
         for token in llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
                                   reset=True):
             new.append(token)
+            if first is None:
+                first = time.perf_counter() - t0  # the prefill and one step
             if token in stop_ids or len(new) >= max_new_tokens:
                 break
-        return peer_result(new, time.perf_counter() - t0)
+        return peer_result(new, time.perf_counter() - t0, first)
     return run
 
 
-def peer_result(new: list, seconds: float) -> dict:
-    """A peer's run in the layout of ours; a peer's time includes its prefill, which it does not report."""
-    return {"tokens": new, "new_tokens": len(new), "seconds": seconds, "tokens_per_s": None, "tau": None,
+def peer_result(new: list, seconds: float, first_token_seconds: float | None = None) -> dict:
+    """A peer's run in the layout of ours. Its decode rate (tokens/s without the prefill) is known
+    where the time to its first token is: the tokens after the first over the time after it."""
+    decoding = (len(new) - 1) / max(seconds - first_token_seconds, 1e-9) \
+        if first_token_seconds is not None and len(new) > 1 else None
+    return {"tokens": new, "new_tokens": len(new), "seconds": seconds, "tokens_per_s": decoding, "tau": None,
             "target_forwards": None, "draft_seconds": 0.0, "accepted_per_position": [], "drafted_tokens": 0,
             "declined_tokens": 0}
 
@@ -744,6 +750,9 @@ def add_machine_args(ap):
                    help="CPU threads, as decode.py's; the results record the number used. For timings, "
                         "run with nothing else busy: auto then uses every core")
     g.add_argument("--out", default=None, help="JSON results path; results/bench-<time>.json when omitted")
+    g.add_argument("--plots-from", type=Path, default=None, metavar="FILE",
+                   help="draw a results file's figures again beside it, then stop (docs/ keeps only the ones "
+                        "its pages show)")
 
 
 def check_and_complete(ap, args):
@@ -789,12 +798,31 @@ def check_and_complete(ap, args):
         args.decode_table_compile == "auto" and args.device.startswith("cuda")) else (False,)
     for name in args.verifiers:
         Verifier(name)  # unknown names fail before anything loads
-    if not args.speed_off and not repo_path(args.prompt_file).is_file():
-        ap.error(f"prompt file not found: {args.prompt_file}")
+    if not args.speed_off:
+        try:  # a bad prompt file is refused before any weights load
+            load_prompts(repo_path(args.prompt_file), args.categories, args.limit)
+        except ValueError as e:
+            ap.error(str(e))
     args.out = Path(args.out or ROOT / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     problem = unwritable(args.out)
     if problem:
         ap.error(f"cannot write --out {args.out}: {problem}")
+
+
+def print_auto_choice(target_name: str, choice: dict, k: int):
+    """What --dtype auto runs for this target here, and the numbers behind it."""
+    if not choice:
+        return
+    cost = block_cost_model(choice, choice["layout"] in ("bfloat16-packed", "bfloat16", "int8", "int4"))
+    print(f"\n--dtype auto for {target_name} here: {choice['layout']}, the fastest estimated one-token step "
+          f"(drafting {'exact' if choice['layout'] not in choice['inexact'] else 'NOT exact: the default decodes plainly'})")
+    print("| layout | one-token step (ms, est.) | blocks exact |\n|---|---|---|")
+    for layout, ms in sorted(choice["ms"].items(), key=lambda item: item[1]):
+        print(f"| {layout} | {ms:.1f} | {'no' if layout in choice['inexact'] else 'yes'} |")
+    print(f"\nin {choice['layout']}, a block verifying n drafted tokens costs, in one-token steps:")
+    print("| context | " + " | ".join(f"n={n}" for n in range(1, k + 1)) + " |\n" + "|---" * (k + 1) + "|")
+    for context in (64, 1024, 4096):
+        print(f"| {context} | " + " | ".join(f"{cost(n, context):.2f}" for n in range(1, k + 1)) + " |")
 
 
 def print_report(args, summary: dict, table: list):
@@ -843,8 +871,20 @@ def print_measurements(layout, paired: dict, profiled: dict, quality: dict):
               f"{q['top1_agreement']:.3f}, perplexity {q['perplexity_fp32']:.3f} -> {q['perplexity']:.3f}")
 
 
+def replot(path: Path):
+    """The figures of a bench results file, drawn again beside it."""
+    try:
+        speed = json.loads(path.read_text())["speed"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a bench.py results file ({type(e).__name__})") from None
+    for image in plots(speed, path.parent, path.stem):
+        print(image)
+
+
 def main(argv=None):
     args = get_args(argv)
+    if args.plots_from:
+        return replot(args.plots_from)
     if args.device == "cpu":
         torch.set_num_threads(pick_threads(args.threads))
     summary, records, paired, profiled = {}, {}, {}, {}
@@ -867,7 +907,9 @@ def main(argv=None):
     table = decode_speed_table(args.decode_table, args.device, layouts, args.decode_table_compile,
                                verify_k=sorted({3, 5, 7, 15, 31, args.num_draft_tokens})) if args.decode_table else []
     quality = weights_quality(args.target, args.weights_quality) if args.weights_quality else {}
+    auto = choose_layout(resolve_model(args.target)) if args.decode_table and args.device == "cpu" else {}
     print_report(args, summary, table)
+    print_auto_choice(args.target, auto, args.num_draft_tokens)
     print_measurements(args.layout if profiled else None, paired, profiled, quality)
 
     out = args.out
@@ -879,7 +921,7 @@ def main(argv=None):
     config = {k: shown(v) for k, v in vars(args).items() if k != "step_fn"}
     result = {
         "config": config, "machine": machine_stamp(args.device),
-        "speed": summary, "paired": paired, "decode_table": table,
+        "speed": summary, "paired": paired, "decode_table": table, "auto_choice": auto,
         "weights_quality": quality, "step_profile": profiled,
         "plots": [shown(p) for p in images],
         "runs": records,  # every run on every prompt, its tokens included

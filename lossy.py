@@ -21,7 +21,7 @@ the run reports its total-variation distance and KL divergence from the target's
 the tokens of the real trajectories. This separates verifiers even where accuracy cannot.
 
     python lossy.py                              # graded arithmetic, default target
-    python lossy.py --problems 600               # power for 5-point differences (README); rerun to continue
+    python lossy.py --problems 250               # more power (docs/lossy-arithmetic/); rerun to continue
     python lossy.py --tasks gsm8k,humaneval --target qwen3-4b --draft eagle3:PATH --temperature 1
 
 Each finished problem is appended to OUT.problems.jsonl, so an interrupted run continues where it
@@ -50,7 +50,7 @@ from checkpoints import DEFAULT_DRAFTS, build_draft
 from decode import generate
 from files import DATA, ROOT, read_jsonl, repo_path
 from layouts import default_device, experiment_layout, load_target, machine_problem, pick_threads
-from results import shown, unwritable, write_results
+from results import machine_stamp, shown, unwritable, write_results
 from sandbox import SandboxError, check_sandbox, run_untrusted
 from verify import Verifier, induced, own_distribution
 from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
@@ -94,7 +94,7 @@ def verifier_of(label: str) -> Verifier | None:
 # Tasks
 
 # Levels of "What is a + b?", easiest first. At T = 0.5 the default target's plain sampling solves
-# a fair share of each level; at T = 1 it rarely solves the harder ones (docs/RESULTS.md), hence 0.5.
+# a fair share of each level; at T = 1 it rarely solves the harder ones (docs/lossy-arithmetic/), hence 0.5.
 LEVELS = {
     "1-digit + 1-digit": lambda rng: (rng.randint(1, 9), rng.randint(1, 9)),
     "tens + tens": lambda rng: (10 * rng.randint(1, 9), 10 * rng.randint(1, 9)),
@@ -629,6 +629,8 @@ def get_args(argv=None):
     ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 problem per level, 8 new tokens")
     ap.add_argument("--out", default=None, help="JSON results path; results/lossy-<time>.json when omitted")
+    ap.add_argument("--plots-from", type=Path, default=None, metavar="FILE",
+                    help="draw a results file's figures again beside it, then stop")
     args = ap.parse_args(argv)
     check_and_complete(ap, args)
     return args
@@ -689,6 +691,13 @@ def check_and_complete(ap, args):
 
 def main(argv=None):
     args = get_args(argv)
+    if args.plots_from:
+        try:
+            summary = json.loads(args.plots_from.read_text())["summary"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{args.plots_from} is not a lossy.py results file ({type(e).__name__})") from None
+        print("\n".join(map(str, plots(summary, args.plots_from.parent, args.plots_from.stem))))
+        return
     problems = load_problems(args.tasks, args.problems, args.seed)
     resolve_model(args.target)  # missing weights: one line now, not from inside the workers
     t0 = time.time()
@@ -706,7 +715,7 @@ def main(argv=None):
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {"config": {**{k: shown(v) for k, v in vars(args).items()}, "git_commit": commit or "unknown",
                          "torch": torch.__version__, "seconds_this_run": round(time.time() - t0, 1)},
-              "summary": summary, "power": power, "distortion_predicts_loss": predicts, "plots": [shown(p) for p in images],
+              "machine": machine_stamp(args.device), "summary": summary, "power": power, "distortion_predicts_loss": predicts, "plots": [shown(p) for p in images],
               "problems": records}
     out = write_results(out, result)
     pooled = summary["all" if "all" in summary else next(iter(summary))]

@@ -32,6 +32,7 @@ import model as M
 from decode import DECODE_K
 from files import DATA, ROOT, repo_relative, write_atomically
 from layouts import CPU_FEATURES, load_target, machine_problem, pick_threads
+from results import machine_stamp, unwritable, write_results
 from weights import DEFAULT_TARGET, resolve_model
 
 RESULTS = ROOT / "docs" / "results.json"
@@ -179,6 +180,39 @@ def read_results(path: Path) -> dict:
     return results
 
 
+def draw(results: dict, path: Path) -> Path:
+    """README's figure: each configuration's median speedup over plain decoding with its
+    interquartile range, one panel per prompt set, both temperatures."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    tasks = results["tasks"]
+    heights = [len(table["summary"]) for table in tasks.values()]
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(9, 1.2 + 0.3 * sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (task, table) in zip(axes[:, 0], tasks.items()):
+        rows = sorted(table["summary"].items(), key=lambda item: (item[1]["temperature"], item[0] != "baseline"))
+        labels = [f"{table['labels'][name].rsplit(' T=', 1)[0]}, T={s['temperature']:g}" for name, s in rows]
+        medians = [s["speedup_median"] for _, s in rows]
+        errors = [[m - s["speedup_iqr"][0] for m, (_, s) in zip(medians, rows)],
+                  [s["speedup_iqr"][1] - m for m, (_, s) in zip(medians, rows)]]
+        y = range(len(rows))[::-1]
+        colours = ["#4c72b0" if s["temperature"] == 0 else "#dd8452" for _, s in rows]
+        ax.barh(list(y), medians, xerr=errors, color=colours, capsize=2)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_yticks(list(y), labels, fontsize=8)
+        ax.set_xlabel("speedup over plain decoding, decode.py --verifier none (median over prompts, IQR)", fontsize=8)
+        ax.set_title(f"{task} ({table['prompts']} prompts)", fontsize=9)
+    m = results["machine"]
+    fig.suptitle(f"{m['cpu']}, {m['threads']} threads, torch {m['torch']}, commit {m['commit']}", fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
 def write_readme_table(results: dict, readme: Path):
     """Replace what lies between README's markers with the rendered table (atomically)."""
     text = readme.read_text()
@@ -210,23 +244,26 @@ def main(argv=None):
         ap.error(problem)
     out, readme = Path(args.out), Path(args.readme)
     if args.render_only:
-        write_readme_table(read_results(out), readme)
+        results = read_results(out)
+        write_readme_table(results, readme)
+        draw(results, out.with_suffix(".png"))
         return
-    problem = bench.unwritable(out)
+    problem = unwritable(out)
     if problem:
         ap.error(f"cannot write {out}: {problem}")
     if not readme.is_file() or BEGIN not in readme.read_text():
         ap.error(f"{readme} has no {BEGIN} ... {END} markers to write the results between")
     torch.set_num_threads(pick_threads(args.threads))
-    machine = bench.machine_stamp("cpu")  # before the runs: the commit measured, not one made during them
+    machine = machine_stamp("cpu")  # before the runs: the commit measured, not one made during them
     t0 = time.perf_counter()
     tasks, auto = measure({"Spec-Bench": (SPEC_BENCH_RUNS, args.spec_bench), "GSM8K test": (GSM8K_RUNS, args.gsm8k)},
                           args.max_new_tokens, args.num_draft_tokens, args.seed)
     results = {"command": shown_command(argv if argv is not None else sys.argv[1:]), "machine": machine,
                "out": repo_relative(out), "max_new_tokens": args.max_new_tokens, "k": args.num_draft_tokens,
                "seed": args.seed, "seconds": time.perf_counter() - t0, "auto_choice": auto, "tasks": tasks}
-    bench.write_results(out, results)
+    write_results(out, results)
     write_readme_table(results, readme)
+    draw(results, out.with_suffix(".png"))
     print(render(results))
 
 

@@ -210,3 +210,16 @@ def test_step_profile_counts_the_matmuls_and_attention_of_a_forward(tiny_dir):
             assert r["matmul_calls"] == 3 * 4 + 1 and r["attention_calls"] == 3 * (rows if n > 1 else 1)
             assert r["profiled_ms"] == pytest.approx(r["matmul_ms"] + r["attention_ms"] + r["other_ms"])
             assert r["other_calls"] > 0 and r["matmul_ms"] > 0
+
+
+def test_the_decode_table_shows_autos_choice_and_what_a_block_costs(capsys):
+    choice = {"layout": "int4", "ms": {"int4": 8.0, "bfloat16-packed": 12.0, "float32-packed": 17.0},
+              "inexact": ["bfloat16-packed"], "blocks_ms": {str(b): 8.0 + 2 * (b - 1) for b in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)},
+              "attention_ms_per_key": 0.002}
+    bench.print_auto_choice("smollm2-135m", choice, 3)
+    out = capsys.readouterr().out
+    assert "--dtype auto for smollm2-135m here: int4" in out and "drafting exact" in out
+    assert "| bfloat16-packed | 12.0 | no |" in out and "| int4 | 8.0 | yes |" in out
+    assert "| 64 | 1.25 | 1.50 | 1.75 |" in out  # (8 + 2n) / 8 at a short context
+    bench.print_auto_choice("x", {}, 3)
+    assert capsys.readouterr().out == ""

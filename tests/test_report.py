@@ -57,16 +57,39 @@ def test_a_small_report_runs_end_to_end(tmp_path):
 
 
 def test_results_files_name_only_files_that_exist_and_no_machine_paths():
-    for path in (ROOT / "docs").glob("*.json"):
+    for path in (ROOT / "docs").rglob("*.json"):
         text = path.read_text()
         assert not any(root in text for root in ('"/home/', '"/root/', '"/work/', '"/tmp/', str(ROOT))), path
         for plot in json.loads(text).get("plots") or []:
             assert (ROOT / plot).is_file(), f"{path.name} names {plot}, which does not exist"
 
 
-def test_readme_and_results_page_name_only_committed_docs():
-    # a number quoted from a JSON that was never committed cannot be regenerated or checked
-    for page in (ROOT / "README.md", ROOT / "docs" / "RESULTS.md"):
-        named = set(re.findall(r"docs/[\w.-]+\.(?:json|png)", page.read_text()))
-        missing = sorted(name for name in named if not (ROOT / name).is_file())
-        assert not missing, f"{page.name} names files that do not exist: {missing}"
+def docs_pages() -> list:
+    return [ROOT / "README.md", ROOT / "docs" / "README.md", *sorted((ROOT / "docs").glob("*/README.md"))]
+
+
+def named_docs_files(page) -> set:
+    """The docs files a page names: repository paths (docs/...) and links relative to the page."""
+    text = page.read_text()
+    named = {ROOT / p for p in re.findall(r"docs/[\w./-]+\.(?:json|png|md)", text)}
+    named |= {(page.parent / p).resolve() for p in re.findall(r"\]\(([\w./-]+\.(?:json|png|md))\)", text)}
+    return named
+
+
+def test_docs_is_an_index_of_experiments_whose_pages_name_every_file():
+    """docs/: one folder per experiment, its page naming its JSON and the figures it shows; every
+    committed file is named by a page, and every file a page names exists."""
+    named = set()
+    for page in docs_pages():
+        files = named_docs_files(page)
+        missing = sorted(str(f.relative_to(ROOT)) for f in files if not f.is_file())
+        assert not missing, f"{page.relative_to(ROOT)} names files that do not exist: {missing}"
+        named |= files
+        if page.parent.parent == ROOT / "docs":
+            assert len(page.read_text().splitlines()) <= 150, f"{page.relative_to(ROOT)} is longer than a page"
+    committed = {p.resolve() for p in (ROOT / "docs").rglob("*") if p.is_file() and p.name != "README.md"}
+    unnamed = sorted(str(p.relative_to(ROOT)) for p in committed - named)
+    assert not unnamed, f"docs files no page names: {unnamed}"
+    index = (ROOT / "docs" / "README.md").read_text()
+    for folder in (p for p in (ROOT / "docs").iterdir() if p.is_dir()):
+        assert f"({folder.name}/README.md)" in index, f"docs/README.md does not list {folder.name}"
