@@ -36,13 +36,17 @@ import model as M
 from checkpoints import DEFAULT_DRAFTS, build_draft, checkpoint_step
 from decode import adaptive, check_temperature, generate
 from draft import HeadCalibration
-from files import DATA, ROOT, read_jsonl, repo_path
-from layouts import (LAYOUTS, apply_layout, block_cost_model, choose_layout, compile_step, default_device,
-                     layout_dtype, load_target, machine_problem, pick_threads, target_layout, wants_compile)
+from files import ROOT, read_jsonl, repo_path
+from layouts import (choose_layout, compile_step, default_device, load_target, machine_problem, pick_threads,
+                     target_layout, wants_compile)
+from peers import hf_peer, llama_cpp_peer
 from prompts import check_prompt, record_prompt
 from results import machine_stamp, shown, unwritable, write_results
+from stats import paired_ratio, quartiles, reliability
+from step_table import (SHAPES, cpu_layouts, decode_speed_table, print_auto_choice, step_profile,
+                        weights_quality)
 from verify import VERIFIERS, Verifier
-from weights import DEFAULT_TARGET, HF_REPOS, embedded_gguf_path, resolve_model
+from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
 
 # -----------------------------------------------------------------------------
 # Prompts and tasks
@@ -84,14 +88,6 @@ def peak_memory_mb(device: str) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def quartiles(xs):
-    xs = sorted(xs)
-    if len(xs) < 2:
-        return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[1], q[2]
 
 
 # -----------------------------------------------------------------------------
@@ -175,57 +171,6 @@ class Run:
     tree: int = 0  # draft trees of this many nodes (0: chains)
 
 
-def hf_peer(target_dir, kind: str, k: int):
-    """transformers' generate, or its prompt-lookup assisted generation, on the same weights."""
-    import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-
-    def run(ids, max_new_tokens, temperature, stop_ids):
-        x = torch.tensor([ids])
-        extra = dict(prompt_lookup_num_tokens=k) if kind == "assisted" else {}
-        sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
-        t0 = time.perf_counter()
-        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                          eos_token_id=sorted(stop_ids), pad_token_id=sorted(stop_ids)[0],
-                          **sampling, **extra)
-        return peer_result(out[0, len(ids):].tolist(), time.perf_counter() - t0)
-    return run
-
-
-def llama_cpp_peer(kind: str, k: int):
-    """llama.cpp (PyPI llama-cpp-python, optional) on the very GGUF file the embedded default target
-    is converted from: plain decoding, or its prompt-lookup speculative decoding. Sampling at T > 0
-    is plain (no top-k, top-p, min-p or repetition penalty), as ours is."""
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    llm = Llama(model_path=str(embedded_gguf_path()), n_ctx=8192, n_threads=torch.get_num_threads(),
-                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if kind == "lookup" else None,
-                logits_all=kind == "lookup", verbose=False)  # verification reads every drafted position
-
-    def run(ids, max_new_tokens, temperature, stop_ids):
-        t0, new, first = time.perf_counter(), [], None
-        llm.reset()  # generate() reuses the cache of a prompt that shares a prefix with the last: prefill anew
-        for token in llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                  reset=True):
-            new.append(token)
-            if first is None:
-                first = time.perf_counter() - t0  # the prefill and one step
-            if token in stop_ids or len(new) >= max_new_tokens:
-                break
-        return peer_result(new, time.perf_counter() - t0, first)
-    return run
-
-
-def peer_result(new: list, seconds: float, first_token_seconds: float | None = None) -> dict:
-    """A peer's run in the layout of ours. Its decode rate (tokens/s without the prefill) is known
-    where the time to its first token is: the tokens after the first over the time after it."""
-    decoding = (len(new) - 1) / max(seconds - first_token_seconds, 1e-9) \
-        if first_token_seconds is not None and len(new) > 1 else None
-    return {"tokens": new, "new_tokens": len(new), "seconds": seconds, "tokens_per_s": decoding, "tau": None,
-            "target_forwards": None, "draft_seconds": 0.0, "accepted_per_position": [], "drafted_tokens": 0,
-            "declined_tokens": 0}
-
-
 def emit(run: Run, ids: list, k: int, max_new_tokens: int, stop_ids, generator, step_fn=None) -> dict:
     """One run on one prompt: what it emitted and its statistics, with its rate over the whole
     call (prompt included), the one rate ours and transformers' generate share. Plain decoding
@@ -304,25 +249,6 @@ def speed_runs(args, target, tokenizer, generator):
     return records, {run.name: run.temperature for run in runs}, calibrations
 
 
-def reliability(pairs: list, bins: int = 10) -> dict:
-    """The verification head's calibration from (predicted probability, kept) pairs: per bin of
-    predicted probability, how many drafted tokens fell there, their mean prediction and the share
-    the verifier kept; and the Brier score (lower is better; a constant at the kept share scores
-    share * (1 - share))."""
-    if not pairs:
-        return {"tokens": 0, "bins": [], "brier": None, "kept_share": None}
-    rows = []
-    for b in range(bins):
-        lo, hi = b / bins, (b + 1) / bins
-        inside = [(p, kept) for p, kept in pairs if lo <= p < hi or (b == bins - 1 and p == 1.0)]
-        if inside:
-            rows.append({"from": lo, "to": hi, "tokens": len(inside),
-                         "predicted": statistics.mean(p for p, _ in inside),
-                         "kept": statistics.mean(float(kept) for _, kept in inside)})
-    return {"tokens": len(pairs), "bins": rows, "kept_share": statistics.mean(float(k) for _, k in pairs),
-            "brier": statistics.mean((p - float(kept)) ** 2 for p, kept in pairs)}
-
-
 def summarize(records: dict, temperatures: dict, calibrations: dict | None = None) -> dict:
     """Per run: median tokens/s and speedup over the plain baseline at its temperature (the run
     named 'baseline T=...') with IQRs, tau overall and per category, acceptance by draft
@@ -370,36 +296,6 @@ def summarize(records: dict, temperatures: dict, calibrations: dict | None = Non
     return summary
 
 
-def paired_ratio(a: list, b: list, resamples: int = 10000, seed: int = 0) -> dict:
-    """Two runs on the same prompts: the ratio of their overall tau (new tokens over target
-    forwards, each summed over prompts) and of their tokens/s (summed over prompts), with 95%
-    percentile bootstrap intervals that resample prompts, both runs' results together (paired).
-    Each also says the smallest effect these prompts detect: the ratio whose distance from 1 is
-    (1.96 + 0.84) bootstrap standard errors of the log ratio, found 95% of the time at 80%
-    power (a two-sided test). It says nothing of what another training seed would move."""
-    def per_prompt(runs, key):
-        return torch.tensor([float(r[key]) for r in runs], dtype=torch.double)  # (n,)
-
-    def overall_tau(runs, rows):
-        new, forwards = per_prompt(runs, "new_tokens"), per_prompt(runs, "target_forwards")
-        return new[rows].sum(-1) / forwards[rows].sum(-1)
-
-    def overall_speed(runs, rows):
-        return per_prompt(runs, "wall_tokens_per_s")[rows].sum(-1)
-
-    n = len(a)
-    every = torch.arange(n)
-    drawn = torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))  # (resamples, n)
-    out = {"prompts": n}
-    for name, measure in (("tau", overall_tau), ("tokens_per_s", overall_speed)):
-        boot = measure(a, drawn) / measure(b, drawn)  # (resamples,)
-        lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.double)).tolist()
-        detectable = math.exp((1.96 + 0.84) * boot.log().std().item())
-        out[name] = {"ratio": (measure(a, every) / measure(b, every)).item(), "ci95": [lo, hi],
-                     "detectable_ratio": detectable}
-    return out
-
-
 def paired_runs(paired: list, records: dict) -> dict:
     """Each pair [A, B] of drafts: A's runs against B's, verifier by verifier and temperature by
     temperature (a run is named '<draft label> <verifier> T=<t>')."""
@@ -412,195 +308,6 @@ def paired_runs(paired: list, records: dict) -> dict:
             if exactly_a and twin in records:
                 pairs[f"{name} vs {b}"] = paired_ratio(records[name], records[twin])
     return pairs
-
-
-# -----------------------------------------------------------------------------
-# Decode-speed table: the named targets' shapes with random weights, against the bandwidth floor.
-# A decode step reads every weight once, so weight bytes / copy bandwidth is the fastest a step
-# can be; the table says how close one eager or compiled step gets, and what verifying k+1 tokens
-# in one forward costs next to one token (on a GPU the weights dominate, so it is close to 1).
-
-SHAPES = {  # the fields of the published config.json files that fix the shape
-    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
-                         rope_theta=1e5, tie_word_embeddings=True),
-    "qwen3-4b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9728,
-                     rope_theta=1e6, tie_word_embeddings=True),
-    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                         rope_theta=5e5, tie_word_embeddings=False,
-                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
-}
-
-
-def seconds_per_call(fn, device: str, reps: int) -> float:
-    """Median wall time of fn() over reps calls, after warm-up, with the device synchronized."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: str, nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Bytes per second of one large on-device copy, counting the read and the write."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / seconds_per_call(lambda: dst.copy_(src), device, reps)
-
-
-def random_target(shape: dict, device: str, dtype: torch.dtype) -> M.Transformer:
-    """A target of the named shape with random weights, built in place on the device."""
-    with torch.device("meta"):
-        net = M.Transformer(M.ModelArgs.from_hf_config(shape)).to(dtype)
-    net = net.to_empty(device=device).eval().requires_grad_(False)
-    if net.args.tie_word_embeddings:  # to_empty may give the two names separate storage
-        net.lm_head.weight = net.embed_tokens.weight
-    for name, p in net.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02)
-    return net
-
-
-def bytes_read_per_step(net: M.Transformer) -> int:
-    """The bytes of weights a one-token step reads: every parameter and weight buffer (quantized
-    codes and their scales, oneDNN-packed weights), the embedding table only as a tied lm_head (a
-    step reads one row of it otherwise); not the KV cache or the RoPE tables."""
-    tensors = {}
-    for path, module in net.named_modules():
-        if path == "embed_tokens" or isinstance(module, M.KVCache):
-            continue
-        own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-        if isinstance(module, M.PackedLinear):  # its weight and bias are plain attributes
-            own.update(weight=module.weight, bias=module.bias)
-        for name, t in own.items():
-            if t is not None and not (path == "" and name.startswith("rope_")):
-                tensors[id(t)] = t
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def cpu_layouts() -> list:
-    """The layouts the CPU decode table times: every one load_target builds but float16."""
-    return [layout for layout in LAYOUTS if layout != "float16" and
-            not (layout == "bfloat16-packed" and not M.packable(torch.bfloat16))]
-
-
-def decode_speed_table(names, device: str, layouts, compile_modes=(False, True), verify_k=(3, 5, 7),
-                       context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30):
-    """Per shape and weight layout: one decode step (eager, and compiled for the unpacked fp32 (CPU)
-    or bf16 (CUDA) layout when asked), against the bandwidth floor of the bytes that step reads, and
-    what verifying k+1 tokens costs against it."""
-    bandwidth = copy_bandwidth(device, copy_bytes)
-    compilable = "bfloat16" if device.startswith("cuda") else "float32"
-    rows = []
-    for name in tqdm(names, desc="decode-speed table", file=sys.stderr):
-        for layout in layouts:
-            net = random_target(SHAPES[name], device, layout_dtype(layout))
-            params_b = sum(p.numel() for p in {id(p): p for p in net.parameters()}.values()) / 1e9
-            apply_layout(net, layout, device)
-            net.setup_caches(1, context + max(verify_k) + 1)
-            step_bytes = bytes_read_per_step(net)
-            tokens = torch.randint(0, net.args.vocab_size, (1, context + max(verify_k) + 1), device=device)
-
-            def measure(step, compile_mode):
-                def forward(n):  # n query tokens at the end of the context (a rewrite of the same slots)
-                    pos = torch.arange(context, context + n, device=device)
-                    return lambda: step(tokens[:, context:context + n], pos)
-                t0 = time.perf_counter()
-                one = seconds_per_call(forward(1), device, reps)
-                verify = {k + 1: seconds_per_call(forward(k + 1), device, reps) / one for k in verify_k}
-                rows.append({"target": name, "compiled": compile_mode is not None, "compile_mode": compile_mode,
-                             "layout": layout, "params_b": params_b, "weight_gb_per_step": step_bytes / 1e9,
-                             "bandwidth_gb_s": bandwidth / 1e9, "floor_ms": 1e3 * step_bytes / bandwidth,
-                             "ms_per_token": 1e3 * one, "tokens_per_s": 1 / one,
-                             "fraction_of_floor": step_bytes / bandwidth / one, "verify_cost": verify,
-                             "wall_s": time.perf_counter() - t0})
-
-            with torch.no_grad():
-                net(tokens[:, :context], torch.arange(context, device=device))  # fill the cache once
-                if False in compile_modes:
-                    measure(net, None)
-                if True in compile_modes and layout == compilable:
-                    net.attend_full_cache = True  # static shapes: one graph per query length
-                    cuda = device.startswith("cuda")  # CUDA graphs remove the per-kernel launch cost there
-                    measure(compile_step(net, "reduce-overhead" if cuda else "default"),
-                            "reduce-overhead" if cuda else "freezing")
-            del net
-            torch._dynamo.reset()  # drop the compiled graphs before the next layout
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-    return rows
-
-
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_int_mm", "mkldnn::_linear_pointwise",
-              "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
-
-
-@torch.no_grad()
-def step_profile(target, blocks=(1, 8), context: int = 64) -> dict:
-    """Where a forward of the loaded target spends its time on this machine, for each block size:
-    the profiled time of the matmuls (the weights), of attention and of every other op, with
-    their call counts. (The profiler adds a little to each call, so the total runs above a timed
-    step's.)"""
-    from torch.profiler import ProfilerActivity, profile
-    tokens = torch.randint(0, target.args.vocab_size, (1, context + max(blocks)))
-    target(tokens[:, :context], torch.arange(context))
-    out = {}
-    for n in blocks:
-        def step():
-            target(tokens[:, context:context + n], torch.arange(context, context + n))
-        for _ in range(3):
-            step()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step()
-        parts = {"matmul": [0.0, 0], "attention": [0.0, 0], "other": [0.0, 0]}
-        for event in prof.key_averages():
-            kind = "matmul" if event.key in MATMUL_OPS else \
-                "attention" if "scaled_dot_product" in event.key else "other"
-            parts[kind][0] += event.self_cpu_time_total / 1e3
-            # (an attention call runs a kernel op inside it: count the call once)
-            parts[kind][1] += event.count if kind != "attention" or event.key == "aten::scaled_dot_product_attention" \
-                else 0
-        out[n] = {"profiled_ms": sum(ms for ms, _ in parts.values()),
-                  **{f"{kind}_ms": ms for kind, (ms, _) in parts.items()},
-                  **{f"{kind}_calls": calls for kind, (_, calls) in parts.items()}}
-    return out
-
-
-QUALITY_WEIGHTS = {"int8": "int8", "bfloat16": "bfloat16-packed", "int4": "int4"}  # compared with fp32
-
-
-@torch.no_grad()
-def weights_quality(target_name: str, n_texts: int, max_tokens: int = 400) -> dict:
-    """What cheaper weights cost: on held-out text (GSM8K test questions with their reference
-    answers, teacher-forced), how often the int8, bf16 and int4 targets' next-token argmax agrees
-    with the fp32 one's, and the perplexities. {weights: {...}} per entry of QUALITY_WEIGHTS."""
-    models = {"fp32": load_target(target_name, "cpu", "float32-packed", max_tokens)}
-    models.update({w: load_target(target_name, "cpu", layout, max_tokens) for w, layout in QUALITY_WEIGHTS.items()})
-    tokenizer = models["fp32"][1]
-    agree, nll, count = dict.fromkeys(QUALITY_WEIGHTS, 0), dict.fromkeys(models, 0.0), 0
-    for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")[:n_texts]:
-        ids = torch.tensor([tokenizer.encode(r["question"] + "\n" + r["answer"])[:max_tokens]])
-        positions = torch.arange(ids.shape[1])
-        logits = {name: model(ids, positions)[0][0, :-1].float() for name, (model, _) in models.items()}
-        count += ids.shape[1] - 1
-        for name, lg in logits.items():
-            nll[name] += torch.nn.functional.cross_entropy(lg, ids[0, 1:], reduction="sum").item()
-            if name != "fp32":
-                agree[name] += (logits["fp32"].argmax(-1) == lg.argmax(-1)).sum().item()
-    return {w: {"texts": n_texts, "tokens": count, "top1_agreement": agree[w] / count,
-                "perplexity_fp32": math.exp(nll["fp32"] / count), "perplexity": math.exp(nll[w] / count)}
-            for w in QUALITY_WEIGHTS}
 
 
 # -----------------------------------------------------------------------------
@@ -807,22 +514,6 @@ def check_and_complete(ap, args):
     problem = unwritable(args.out)
     if problem:
         ap.error(f"cannot write --out {args.out}: {problem}")
-
-
-def print_auto_choice(target_name: str, choice: dict, k: int):
-    """What --dtype auto runs for this target here, and the numbers behind it."""
-    if not choice:
-        return
-    cost = block_cost_model(choice, choice["layout"] in ("bfloat16-packed", "bfloat16", "int8", "int4"))
-    print(f"\n--dtype auto for {target_name} here: {choice['layout']}, the fastest estimated one-token step "
-          f"(drafting {'exact' if choice['layout'] not in choice['inexact'] else 'NOT exact: the default decodes plainly'})")
-    print("| layout | one-token step (ms, est.) | blocks exact |\n|---|---|---|")
-    for layout, ms in sorted(choice["ms"].items(), key=lambda item: item[1]):
-        print(f"| {layout} | {ms:.1f} | {'no' if layout in choice['inexact'] else 'yes'} |")
-    print(f"\nin {choice['layout']}, a block verifying n drafted tokens costs, in one-token steps:")
-    print("| context | " + " | ".join(f"n={n}" for n in range(1, k + 1)) + " |\n" + "|---" * (k + 1) + "|")
-    for context in (64, 1024, 4096):
-        print(f"| {context} | " + " | ".join(f"{cost(n, context):.2f}" for n in range(1, k + 1)) + " |")
 
 
 def print_report(args, summary: dict, table: list):

@@ -114,6 +114,18 @@ def dflash_settings(config: dict, n_draft_layer: int, path: Path):
     return dflash_target_layers(n_target, n_draft_layer), mask_id, n_target  # DFlash's own default
 
 
+def dflash_block(config: dict, mask_id: int, vocab_size: int, path: Path) -> int:
+    """A DFlash config's block size, checked with its mask token against the target's vocabulary."""
+    block_size = config.get("block_size", 16)
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
+        raise CheckpointError(f"DFlash draft {path}: block_size must be a whole number >= 2 (a block holds "
+                              f"the last token and at least one to fill), got {block_size!r}")
+    if not 0 <= mask_id < vocab_size:
+        raise CheckpointError(f"DFlash draft {path}: mask_token_id {mask_id} lies outside the vocabulary of "
+                              f"{vocab_size}")
+    return block_size
+
+
 def check_matches_target(path: Path, target: M.Transformer, target_dim: int, layers, n_target):
     """A draft trained for another target loads fine and then fails mid-run: compare what it
     recorded about its target (vocabulary is checked by the caller) before anything runs."""
@@ -171,14 +183,8 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
             layers, mask_id, n_target = dflash_settings(config, args.n_layer, path)
             check_matches_target(path, target, config.get("target_hidden_size", target.args.dim),
                                  layers, n_target)
-            block_size = config.get("block_size", 16)
-            if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
-                raise CheckpointError(f"DFlash draft {path}: block_size must be a whole number >= 2 (a block "
-                                      f"holds the last token and at least one to fill), got {block_size!r}")
-            if not 0 <= mask_id < target.args.vocab_size:
-                raise CheckpointError(f"DFlash draft {path}: mask_token_id {mask_id} lies outside the "
-                                      f"vocabulary of {target.args.vocab_size}")
-            net = DFlash(args, target.args.dim, layers, block_size, mask_id)
+            net = DFlash(args, target.args.dim, layers, dflash_block(config, mask_id, target.args.vocab_size, path),
+                         mask_id)
     expected = net.state_dict()
     if "verify_head.weight" not in sd:  # released drafts have no verification head: start it neutral
         sd["verify_head.weight"] = torch.zeros(1, args.dim)

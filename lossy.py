@@ -30,12 +30,8 @@ outcome in OUT (JSON), the figures beside it, and one JSON line of headline figu
 """
 import argparse
 import difflib
-import gzip
 import json
-import math
 import multiprocessing
-import random
-import re
 import subprocess
 import sys
 import time
@@ -48,10 +44,12 @@ from tqdm import tqdm
 import model as M
 from checkpoints import DEFAULT_DRAFTS, build_draft
 from decode import generate
-from files import DATA, ROOT, read_jsonl, repo_path
+from files import ROOT, repo_path
 from layouts import default_device, experiment_layout, load_target, machine_problem, pick_threads
 from results import machine_stamp, shown, unwritable, write_results
-from sandbox import SandboxError, check_sandbox, run_untrusted
+from sandbox import SandboxError, check_sandbox
+from stats import paired_difference, problems_for_power, rank_correlation, wilson
+from tasks import correct, load_problems
 from verify import Verifier, induced, own_distribution
 from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
 
@@ -88,84 +86,6 @@ TREE_SUFFIX = " tree"
 
 def verifier_of(label: str) -> Verifier | None:
     return CONFIGS[label.removesuffix(TREE_SUFFIX)]
-
-
-# -----------------------------------------------------------------------------
-# Tasks
-
-# Levels of "What is a + b?", easiest first. At T = 0.5 the default target's plain sampling solves
-# a fair share of each level; at T = 1 it rarely solves the harder ones (docs/lossy-arithmetic/), hence 0.5.
-LEVELS = {
-    "1-digit + 1-digit": lambda rng: (rng.randint(1, 9), rng.randint(1, 9)),
-    "tens + tens": lambda rng: (10 * rng.randint(1, 9), 10 * rng.randint(1, 9)),
-    "2-digit + 1": lambda rng: (rng.randint(10, 99), 1),
-    "2-digit + 2-digit": lambda rng: (rng.randint(10, 99), rng.randint(10, 99)),
-}
-
-
-def arithmetic_problems(n: int, seed: int = 0) -> list:
-    """n problems per level, the same ones for a given seed on every machine and Python version."""
-    problems = []
-    for level, operands in LEVELS.items():
-        rng = random.Random(f"arithmetic:{seed}:{level}")  # str seeds hash the same everywhere
-        for i in range(n):
-            a, b = operands(rng)
-            problems.append({"id": f"{level} #{i}", "level": level, "answer": str(a + b),
-                             "prompt": f"What is {a} + {b}? Reply with the number only."})
-    return problems
-
-
-def gsm8k_problems(n: int) -> list:
-    rows = [r for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")][:n]
-    return [{"id": f"gsm8k #{i}", "level": "gsm8k",
-             "prompt": r["question"] + "\nSolve it step by step and end with 'The answer is N.'",
-             "answer": r["answer"].split("####")[-1].strip().replace(",", "")} for i, r in enumerate(rows)]
-
-
-def last_number_correct(text: str, answer: str) -> bool:
-    """The last number in the response against the reference (GSM8K's rule, and arithmetic's)."""
-    numbers = re.findall(r"-?\d[\d,]*\.?\d*", text)
-    if not numbers:
-        return False
-    try:
-        return abs(float(numbers[-1].replace(",", "").rstrip(".")) - float(answer)) < 1e-6
-    except ValueError:
-        return False
-
-
-def humaneval_problems(n: int) -> list:
-    with gzip.open(DATA / "HumanEval.jsonl.gz", "rt") as f:
-        rows = [json.loads(line) for line in f][:n]
-    ask = "Complete this Python function. Reply with the whole function in a ```python block.\n\n"
-    return [{"id": r["task_id"], "level": "humaneval", "prompt": ask + f"```python\n{r['prompt']}```",
-             "code": r["prompt"], "test": r["test"], "entry_point": r["entry_point"]} for r in rows]
-
-
-def humaneval_passes(problem: dict, response: str, timeout: float = 10.0) -> bool:
-    """Run the answer against the problem's tests in the sandbox (sandbox.py: no network, no writes
-    outside its own directory, limited memory, processes and time)."""
-    blocks = re.findall(r"```(?:python)?\n(.*?)(?:```|$)", response, re.S)
-    code = blocks[0] if blocks else response
-    if f"def {problem['entry_point']}" not in code:  # a body only: complete the given signature
-        code = problem["code"] + code
-    else:  # keep the prompt's imports and helpers in front of the whole function
-        code = problem["code"].split(f"def {problem['entry_point']}")[0] + code
-    program = f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
-    return run_untrusted(program, timeout=timeout).returncode == 0
-
-
-def load_problems(tasks: list, n: int, seed: int) -> list:
-    problems = []
-    for task in tasks:
-        problems += {"arithmetic": lambda: arithmetic_problems(n, seed), "gsm8k": lambda: gsm8k_problems(n),
-                     "humaneval": lambda: humaneval_problems(n)}[task]()
-    return problems
-
-
-def correct(problem: dict, text: str) -> bool:
-    if problem["level"] == "humaneval":
-        return humaneval_passes(problem, text)
-    return last_number_correct(text, problem["answer"])
 
 
 # -----------------------------------------------------------------------------
@@ -330,49 +250,6 @@ FINGERPRINT = ("target", "draft", "tasks", "configs", "tree", "num_draft_tokens"
 # -----------------------------------------------------------------------------
 # Statistics
 
-def wilson(successes: int, n: int, z: float = 1.96):
-    """95% Wilson score interval of a proportion."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def mcnemar_p(only_a: int, only_b: int) -> float:
-    """Exact two-sided McNemar test: under no difference, each discordant problem is a fair coin."""
-    n, k = only_a + only_b, min(only_a, only_b)
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
-
-
-def paired_difference(a: list, b: list, z: float = 1.96) -> dict:
-    """Accuracy of b minus accuracy of a on the same problems, with the Agresti-Min (2005) 95%
-    interval (the Wald interval of a paired difference with half a count added to each cell)."""
-    n = len(a)
-    only_a = sum(x and not y for x, y in zip(a, b))
-    only_b = sum(y and not x for x, y in zip(a, b))
-    diff = (only_b - only_a) / n
-    ca, cb, m = only_a + 0.5, only_b + 0.5, n + 2
-    half = z * math.sqrt(max(ca + cb - (cb - ca) ** 2 / m, 0.0)) / m
-    centre = (cb - ca) / m
-    return {"n": n, "difference": diff, "ci95": (centre - half, centre + half), "only_reference": only_a,
-            "only_this": only_b, "discordance": (only_a + only_b) / n, "mcnemar_p": mcnemar_p(only_a, only_b)}
-
-
-def problems_for_power(discordance: float, delta: float = 0.05, z_alpha: float = 1.96,
-                       z_power: float = 0.8416) -> int:
-    """Problems a paired test needs to detect an accuracy difference delta (two-sided 5%, 80% power)
-    when a fraction `discordance` of problems differ between the two runs (Connor 1987)."""
-    if discordance <= delta ** 2:
-        return 0
-    return math.ceil((z_alpha * math.sqrt(discordance) + z_power * math.sqrt(discordance - delta ** 2)) ** 2
-                     / delta ** 2)
-
-
 def summarize(records: list, configs: list) -> dict:
     """Per level (and 'all'): each configuration's accuracy, block efficiency and distortion, and
     its paired difference from lossless on the same problems."""
@@ -402,15 +279,6 @@ def summarize(records: list, configs: list) -> dict:
                 s["vs_chain"]["block_efficiency_ratio"] = s["block_efficiency"] / out[level][chain]["block_efficiency"]
             out[level][label] = s
     return out
-
-
-def rank_correlation(xs: list, ys: list) -> float:
-    """Spearman's rho (no ties expected among these real-valued measurements)."""
-    def ranks(v):
-        order = sorted(range(len(v)), key=v.__getitem__)
-        return [order.index(i) for i in range(len(v))]
-    rx, ry, n = ranks(xs), ranks(ys), len(xs)
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
 def distortion_predicts_loss(pooled: dict) -> dict:

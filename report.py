@@ -29,6 +29,7 @@ import torch
 
 import bench
 import model as M
+import peers
 from decode import DECODE_K
 from files import DATA, ROOT, repo_relative, write_atomically
 from layouts import CPU_FEATURES, load_target, machine_problem, pick_threads
@@ -84,7 +85,7 @@ def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> tupl
         for t in temperatures:
             name = "baseline" if label == table[0][0] else label
             if peer:
-                runs.append(bench.Run(f"{name} T={t:g}", t, peer=bench.hf_peer(
+                runs.append(bench.Run(f"{name} T={t:g}", t, peer=peers.hf_peer(
                     resolve_model(DEFAULT_TARGET), "generate", k)))
                 layouts[runs[-1].name] = "transformers float32"
                 continue

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 import bench
+import step_table
+import stats
+import peers
 import model as M
 from files import ROOT
 from layouts import CPU_FEATURES
@@ -60,7 +63,7 @@ def test_named_shapes_have_the_published_parameter_counts():
     published = {"smollm2-135m": 134_515_008, "qwen3-4b": 4_022_468_096, "llama-3.1-8b": 8_030_261_248}
     for name, count in published.items():
         with torch.device("meta"):
-            net = M.Transformer(M.ModelArgs.from_hf_config(bench.SHAPES[name]))
+            net = M.Transformer(M.ModelArgs.from_hf_config(step_table.SHAPES[name]))
         assert sum(p.numel() for p in net.parameters()) == count, name
 
 
@@ -69,11 +72,11 @@ def test_named_shapes_have_the_published_parameter_counts():
 def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, compiled):
     shape = dict(model_type="qwen3", vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, intermediate_size=96, tie_word_embeddings=tied)
-    monkeypatch.setitem(bench.SHAPES, "tiny", shape)
-    net = bench.random_target(shape, "cpu", torch.float32)
+    monkeypatch.setitem(step_table.SHAPES, "tiny", shape)
+    net = step_table.random_target(shape, "cpu", torch.float32)
     assert (net.lm_head.weight.data_ptr() == net.embed_tokens.weight.data_ptr()) == tied
     assert all(p.isfinite().all() for p in net.parameters())
-    rows = bench.decode_speed_table(["tiny"], "cpu", ["float32"], compile_modes=(compiled,),
+    rows = step_table.decode_speed_table(["tiny"], "cpu", ["float32"], compile_modes=(compiled,),
                                     verify_k=(3, 7), context=32, reps=3, copy_bytes=1 << 24)
     (row,) = rows
     assert row["compiled"] == compiled and (row["compile_mode"] == "freezing") == compiled
@@ -93,7 +96,7 @@ def test_decode_speed_table_counts_the_bytes_a_step_reads(monkeypatch, tied, com
     # the other layouts, by hand: packed fp32 the same bytes; int8 one byte a Linear weight (the
     # lm_head too) and an fp32 scale per output; int4 half a byte a weight and two bf16 per group of
     # 32, its lm_head and norms bf16
-    rows = bench.decode_speed_table(["tiny"], "cpu", ["float32-packed", "int8", "int4"], compile_modes=(False,),
+    rows = step_table.decode_speed_table(["tiny"], "cpu", ["float32-packed", "int8", "int4"], compile_modes=(False,),
                                     verify_k=(3,), context=32, reps=3, copy_bytes=1 << 24)
     assert [r["layout"] for r in rows] == ["float32-packed", "int8", "int4"]
     norms = 2 * (2 * d + 2 * hd) + d
@@ -126,13 +129,13 @@ def test_paired_ratio_is_a_ratio_of_sums_with_a_paired_interval():
          [(100, 50, 30.0), (100, 20, 60.0), (40, 40, 10.0), (128, 32, 40.0)]]
     b = [{"new_tokens": r["new_tokens"], "target_forwards": 2 * r["target_forwards"],
           "wall_tokens_per_s": r["wall_tokens_per_s"] / 2} for r in a]
-    r = bench.paired_ratio(a, b)
+    r = stats.paired_ratio(a, b)
     assert r["prompts"] == 4
     assert r["tau"]["ratio"] == pytest.approx(2.0) and r["tau"]["ci95"] == pytest.approx([2.0, 2.0])
     assert r["tokens_per_s"]["ratio"] == pytest.approx(2.0) and r["tokens_per_s"]["ci95"] == pytest.approx([2.0, 2.0])
     # overall tau is 368 / 142 against 368 / 150: not the mean of the per-prompt ratios
     c = [dict(r, target_forwards=f) for r, f in zip(a, (50, 20, 40, 40))]
-    mixed = bench.paired_ratio(c, a)
+    mixed = stats.paired_ratio(c, a)
     assert mixed["tau"]["ratio"] == pytest.approx((368 / 150) / (368 / 142))
     lo, hi = mixed["tau"]["ci95"]
     assert lo < mixed["tau"]["ratio"] < hi or lo == pytest.approx(mixed["tau"]["ratio"])
@@ -172,7 +175,7 @@ def test_weights_quality_compares_int8_bf16_and_int4_with_fp32(tmp_path):
     """--weights-quality: teacher-forced agreement and perplexity of each cheaper layout against fp32."""
     from test_train_vat import tiny_chat_target
     tiny_chat_target(tmp_path / "target")
-    q = bench.weights_quality(str(tmp_path / "target"), n_texts=2, max_tokens=48)
+    q = step_table.weights_quality(str(tmp_path / "target"), n_texts=2, max_tokens=48)
     assert set(q) == {"int8", "bfloat16", "int4"}
     for r in q.values():
         assert r["tokens"] == 2 * 47 and 0.5 <= r["top1_agreement"] <= 1
@@ -192,7 +195,7 @@ def test_llama_cpp_is_an_optional_peer(smollm2_dir, monkeypatch, capsys):
     long = "Summarize: " + "the sea is calm and the sky is blue. " * 80  # longer than llama.cpp's 512-token batch
     tokenizer = load_tokenizer(smollm2_dir)
     for kind in ("plain", "lookup"):
-        run = bench.llama_cpp_peer(kind, 5)
+        run = peers.llama_cpp_peer(kind, 5)
         for text in ("List three colours.", long):
             out = run(tokenizer.encode_chat([{"role": "user", "content": text}]), 12, 0.0, {2})
             assert 1 <= out["new_tokens"] <= 12 and all(0 <= t < 49152 for t in out["tokens"])
@@ -204,7 +207,7 @@ def test_step_profile_counts_the_matmuls_and_attention_of_a_forward(tiny_dir):
     import layouts as LY
     for layout, rows in (("float32", 1), ("int4", 8)):
         target = LY.build_target(tiny_dir("llama3"), layout, "cpu", 128)
-        profile = bench.step_profile(target, blocks=(1, 8), context=16)
+        profile = step_table.step_profile(target, blocks=(1, 8), context=16)
         assert set(profile) == {1, 8}
         for n, r in profile.items():
             assert r["matmul_calls"] == 3 * 4 + 1 and r["attention_calls"] == 3 * (rows if n > 1 else 1)
@@ -216,10 +219,10 @@ def test_the_decode_table_shows_autos_choice_and_what_a_block_costs(capsys):
     choice = {"layout": "int4", "ms": {"int4": 8.0, "bfloat16-packed": 12.0, "float32-packed": 17.0},
               "inexact": ["bfloat16-packed"], "blocks_ms": {str(b): 8.0 + 2 * (b - 1) for b in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)},
               "attention_ms_per_key": 0.002}
-    bench.print_auto_choice("smollm2-135m", choice, 3)
+    step_table.print_auto_choice("smollm2-135m", choice, 3)
     out = capsys.readouterr().out
     assert "--dtype auto for smollm2-135m here: int4" in out and "drafting exact" in out
     assert "| bfloat16-packed | 12.0 | no |" in out and "| int4 | 8.0 | yes |" in out
     assert "| 64 | 1.25 | 1.50 | 1.75 |" in out  # (8 + 2n) / 8 at a short context
-    bench.print_auto_choice("x", {}, 3)
+    step_table.print_auto_choice("x", {}, 3)
     assert capsys.readouterr().out == ""

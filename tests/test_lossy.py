@@ -16,6 +16,8 @@ from files import ROOT
 from conftest import needs_bwrap
 
 import lossy
+import tasks
+import stats
 import weights as WT
 import model as M
 from decode import generate
@@ -25,12 +27,12 @@ from verify import Verifier, induced, own_distribution, verify
 
 
 def test_arithmetic_problems_are_fixed_graded_levels():
-    problems = lossy.arithmetic_problems(5, seed=3)
-    assert problems == lossy.arithmetic_problems(5, seed=3)
-    assert problems != lossy.arithmetic_problems(5, seed=4)
+    problems = tasks.arithmetic_problems(5, seed=3)
+    assert problems == tasks.arithmetic_problems(5, seed=3)
+    assert problems != tasks.arithmetic_problems(5, seed=4)
     # a larger run extends a smaller one: its first problems are the same, so it can resume from it
-    assert lossy.arithmetic_problems(3, seed=3) == [p for p in problems if int(p["id"].split("#")[1]) < 3]
-    assert [p["level"] for p in problems] == [lv for lv in lossy.LEVELS for _ in range(5)]
+    assert tasks.arithmetic_problems(3, seed=3) == [p for p in problems if int(p["id"].split("#")[1]) < 3]
+    assert [p["level"] for p in problems] == [lv for lv in tasks.LEVELS for _ in range(5)]
     for p in problems:
         a, b = map(int, re.match(r"What is (\d+) \+ (\d+)\?", p["prompt"]).groups())
         assert p["answer"] == str(a + b)
@@ -41,38 +43,38 @@ def test_arithmetic_problems_are_fixed_graded_levels():
 
 
 def test_last_number_grader():
-    assert lossy.last_number_correct("So she pays 3 * 6 = 18 dollars. The answer is 18.", "18")
-    assert lossy.last_number_correct("Total: 1,234 apples", "1234")
-    assert lossy.last_number_correct("7 + 5 = 12", "12")
-    assert not lossy.last_number_correct("The answer is 17.", "18")
-    assert not lossy.last_number_correct("no numbers here", "18")
+    assert tasks.last_number_correct("So she pays 3 * 6 = 18 dollars. The answer is 18.", "18")
+    assert tasks.last_number_correct("Total: 1,234 apples", "1234")
+    assert tasks.last_number_correct("7 + 5 = 12", "12")
+    assert not tasks.last_number_correct("The answer is 17.", "18")
+    assert not tasks.last_number_correct("no numbers here", "18")
 
 
 @needs_bwrap
 def test_humaneval_grader_runs_tests_in_the_sandbox():
-    with gzip.open(lossy.DATA / "HumanEval.jsonl.gz", "rt") as f:
+    with gzip.open(tasks.DATA / "HumanEval.jsonl.gz", "rt") as f:
         row = json.loads(f.readline())
-    problem = lossy.humaneval_problems(1)[0]
+    problem = tasks.humaneval_problems(1)[0]
     assert problem["entry_point"] == row["entry_point"]
-    assert lossy.humaneval_passes(problem, f"```python\n{row['canonical_solution']}```")  # a body only
+    assert tasks.humaneval_passes(problem, f"```python\n{row['canonical_solution']}```")  # a body only
     whole = row["prompt"] + row["canonical_solution"]
-    assert lossy.humaneval_passes(problem, f"Here it is:\n```python\n{whole}\n```")
-    assert not lossy.humaneval_passes(problem, "```python\n    return None\n```")
-    assert not lossy.humaneval_passes(problem, "```python\n    while True: pass\n```", timeout=2)
+    assert tasks.humaneval_passes(problem, f"Here it is:\n```python\n{whole}\n```")
+    assert not tasks.humaneval_passes(problem, "```python\n    return None\n```")
+    assert not tasks.humaneval_passes(problem, "```python\n    while True: pass\n```", timeout=2)
 
 
 def test_wilson_interval():
-    lo, hi = lossy.wilson(50, 100)
+    lo, hi = stats.wilson(50, 100)
     assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
-    assert lossy.wilson(0, 10)[0] == 0.0 and lossy.wilson(10, 10)[1] == 1.0
+    assert stats.wilson(0, 10)[0] == 0.0 and stats.wilson(10, 10)[1] == 1.0
 
 
 def test_mcnemar_is_the_exact_binomial_test():
-    assert lossy.mcnemar_p(0, 10) == pytest.approx(2 / 1024)
-    assert lossy.mcnemar_p(7, 7) == 1.0 and lossy.mcnemar_p(0, 0) == 1.0
-    assert lossy.mcnemar_p(3, 12) == lossy.mcnemar_p(12, 3)
+    assert stats.mcnemar_p(0, 10) == pytest.approx(2 / 1024)
+    assert stats.mcnemar_p(7, 7) == 1.0 and stats.mcnemar_p(0, 0) == 1.0
+    assert stats.mcnemar_p(3, 12) == stats.mcnemar_p(12, 3)
     # P(X <= 3) for X ~ Binomial(15, 1/2), doubled
-    assert lossy.mcnemar_p(3, 12) == pytest.approx(2 * (1 + 15 + 105 + 455) / 2 ** 15)
+    assert stats.mcnemar_p(3, 12) == pytest.approx(2 * (1 + 15 + 105 + 455) / 2 ** 15)
 
 
 def simulate_pairs(n, only_a, only_b, rng):
@@ -94,7 +96,7 @@ def simulate_pairs(n, only_a, only_b, rng):
 def test_paired_interval_covers_the_true_difference_95_percent_of_the_time():
     rng = random.Random(0)
     only_a, only_b, n = 0.12, 0.06, 200  # a true difference of -6 points, 18% discordant
-    runs = [lossy.paired_difference(*simulate_pairs(n, only_a, only_b, rng)) for _ in range(1000)]
+    runs = [stats.paired_difference(*simulate_pairs(n, only_a, only_b, rng)) for _ in range(1000)]
     coverage = sum(r["ci95"][0] <= only_b - only_a <= r["ci95"][1] for r in runs) / len(runs)
     assert 0.93 <= coverage <= 0.97
     r = runs[0]
@@ -104,22 +106,22 @@ def test_paired_interval_covers_the_true_difference_95_percent_of_the_time():
 
 def test_problems_for_power_gives_80_percent_power():
     d, delta = 0.2, 0.05
-    n = lossy.problems_for_power(d, delta)
+    n = stats.problems_for_power(d, delta)
     assert 600 <= n <= 650  # Connor (1987): ((1.96 sqrt(.2) + 0.84 sqrt(.2 - .0025)) / .05)^2 = 626
     rng = random.Random(1)
     rejected = 0
     for _ in range(400):
-        r = lossy.paired_difference(*simulate_pairs(n, (d + delta) / 2, (d - delta) / 2, rng))
+        r = stats.paired_difference(*simulate_pairs(n, (d + delta) / 2, (d - delta) / 2, rng))
         rejected += r["mcnemar_p"] < 0.05
     assert 0.72 <= rejected / 400 <= 0.88
-    assert lossy.problems_for_power(0.0, 0.05) == 0
+    assert stats.problems_for_power(0.0, 0.05) == 0
 
 
 def test_rank_correlation_is_spearmans_rho():
-    assert lossy.rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == 1
-    assert lossy.rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == -1
+    assert stats.rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == 1
+    assert stats.rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == -1
     # ranks (0 1 2 3 4) against (1 0 2 4 3): d^2 = 1 + 1 + 0 + 1 + 1 = 4, rho = 1 - 6 * 4 / (5 * 24) = 0.8
-    assert lossy.rank_correlation([0.1, 0.2, 0.3, 0.4, 0.5], [2.0, 1.0, 3.0, 9.0, 5.0]) == pytest.approx(0.8)
+    assert stats.rank_correlation([0.1, 0.2, 0.3, 0.4, 0.5], [2.0, 1.0, 3.0, 9.0, 5.0]) == pytest.approx(0.8)
 
 
 @pytest.mark.parametrize("name,params", [("lossless", {}), ("minp", {"p_base": 0.2}), ("eta", {"eps": 0.05}),
@@ -196,8 +198,8 @@ def test_quick_run_is_consistent_and_resumes(tmp_path, capsys):
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
     records, summary = result["problems"], result["summary"]
-    assert [p["level"] for p in records] == list(lossy.LEVELS)
-    assert set(summary) == set(lossy.LEVELS) | {"all"}
+    assert [p["level"] for p in records] == list(tasks.LEVELS)
+    assert set(summary) == set(tasks.LEVELS) | {"all"}
     for level, rows in summary.items():
         mine = [p for p in records if level in ("all", p["level"])]
         for label, s in rows.items():
