@@ -1,8 +1,9 @@
 """
 The target model: one hand-written decoder-only Transformer for LLaMA-3.x, Qwen2 and Qwen3
 checkpoints, a static KV cache that speculative decoding rewinds by moving a position, and the
-CPU weight layouts a decoding step can run on (oneDNN-packed fp32, int8). Where the weights come
-from (a name, a directory, the embedded GGUF) is checkpoints.py's; tokenizers are tokenizer.py's.
+CPU weight forms a decoding step can run on (oneDNN-packed fp32 and bf16, int8, int4). Where the
+weights come from (a name, a directory, the embedded GGUF) is weights.py's, which form a run takes
+is layouts.py's, tokenizers are tokenizer.py's.
 
 Hidden-state index convention (used by the drafts in draft.py), one place for all:
     hidden[i] is the residual stream *entering* decoder layer i, for 0 <= i < n_layer,

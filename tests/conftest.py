@@ -16,6 +16,7 @@ import weights as WT
 import layouts as LY  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))  # lossy, report, ...
 
 import model as M  # noqa: E402
 from eagle3 import Eagle3, eagle3_target_layers

@@ -184,7 +184,7 @@ def test_one_seed_couples_verifiers_that_decide_alike(tiny_dir):
 
 
 def run_lossy(*extra, cwd=ROOT):
-    return subprocess.run([sys.executable, str(ROOT / "lossy.py"), *extra], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "lossy.py"), *extra], capture_output=True, text=True,
                           timeout=600, cwd=cwd)
 
 

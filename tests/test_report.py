@@ -12,7 +12,7 @@ def test_readme_shows_what_the_results_file_renders_to():
     results = json.loads(report.RESULTS.read_text())
     readme = report.README.read_text()
     shown = readme[readme.index(report.BEGIN):readme.index(report.END) + len(report.END)]
-    assert shown == report.render(results), "README's table is stale: run python report.py --render-only"
+    assert shown == report.render(results), "README's table is stale: run python experiments/report.py --render-only"
     machine = results["machine"]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["threads"] >= 1 and machine["torch"]
     assert not machine["uncommitted_changes"], "measure a committed tree, so that the commit names the code"

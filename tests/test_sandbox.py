@@ -136,7 +136,7 @@ def test_the_same_limits_hold_for_an_unprivileged_caller():
     run the sandbox itself as nobody and check network, writes and processes again."""
     tmp_path = Path(tempfile.mkdtemp(prefix="vat-nobody-"))  # pytest's own tmp_path is root's alone
     tmp_path.chmod(0o777)
-    (tmp_path / "sandbox.py").write_text((Path(__file__).parent.parent / "sandbox.py").read_text())
+    (tmp_path / "sandbox.py").write_text((Path(__file__).parent.parent / "experiments" / "sandbox.py").read_text())
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()

@@ -1,8 +1,8 @@
 """
 The results report: every speed table README shows, measured again on the machine it runs on.
 
-    python report.py                  # measure again (README says how long it takes)
-    python report.py --render-only    # README's table again from docs/results.json
+    python experiments/report.py                  # measure again (README says how long it takes)
+    python experiments/report.py --render-only    # README's table again from docs/results.json
 
 Two task sets with the embedded default target: Spec-Bench (one question per category: writing,
 roleplay, reasoning, math, coding, extraction, stem, humanities, translation, summarization, QA,
@@ -24,6 +24,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modules, one folder up
 
 import torch
 
@@ -165,13 +167,13 @@ def shown_command(argv: list) -> str:
         if not argv[i].startswith(("--out=", "--readme=")):
             shown.append(argv[i])
         i += 1
-    return " ".join(["python report.py", *shown])
+    return " ".join(["python experiments/report.py", *shown])
 
 
 def read_results(path: Path) -> dict:
     """A results file report.py wrote; anything else is a one-line error."""
     if not path.is_file():
-        raise ValueError(f"results file not found: {path} (run python report.py first)")
+        raise ValueError(f"results file not found: {path} (run python experiments/report.py first)")
     try:
         results = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -20,9 +20,9 @@ closed form (verify.induced for a drafted position, verify.own_distribution for 
 the run reports its total-variation distance and KL divergence from the target's p, averaged over
 the tokens of the real trajectories. This separates verifiers even where accuracy cannot.
 
-    python lossy.py                              # graded arithmetic, default target
-    python lossy.py --problems 250               # more power (docs/lossy-arithmetic/); rerun to continue
-    python lossy.py --tasks gsm8k,humaneval --target qwen3-4b --draft eagle3:PATH --temperature 1
+    python experiments/lossy.py                              # graded arithmetic, default target
+    python experiments/lossy.py --problems 250               # more power (docs/lossy-arithmetic/); rerun to continue
+    python experiments/lossy.py --tasks gsm8k,humaneval --target qwen3-4b --draft eagle3:PATH --temperature 1
 
 Each finished problem is appended to OUT.problems.jsonl, so an interrupted run continues where it
 stopped when rerun with the same arguments (a larger --problems extends it). At the end: markdown tables on stdout, every problem's
@@ -37,6 +37,8 @@ import sys
 import time
 import zlib
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modules, one folder up
 
 import torch
 from tqdm import tqdm
