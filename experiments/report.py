@@ -137,11 +137,14 @@ def render(results: dict) -> str:
     if choice.get("ms"):
         others = ", ".join(f"{layout} {ms:.1f}" for layout, ms in choice["ms"].items() if layout != choice["layout"])
         blocks = choice.get("blocks_ms", {})
-        cost = f"; there a block of {results['k'] + 1} tokens costs {blocks[str(results['k'] + 1)] / blocks['1']:.1f} " \
-               f"one-token steps" if str(results["k"] + 1) in blocks and "1" in blocks else ""
-        lines += [f"`--dtype auto` runs every forward of every run in {choice['layout']} on this machine, the "
-                  f"fastest one-token step of the layouts whose blocks are exact (estimated "
-                  f"{choice['ms'][choice['layout']]:.1f} ms; {others}){cost}.", ""]
+        cost = f"; at a short context a block of {results['k'] + 1} tokens costs " \
+               f"{blocks[str(results['k'] + 1)] / blocks['1']:.1f} one-token steps there" \
+            if str(results["k"] + 1) in blocks and "1" in blocks else ""
+        exact = "its blocks give the bits of one-token steps here" if choice["layout"] not in choice.get("inexact", []) \
+            else "its blocks are not exact here, so the default decodes plainly"
+        lines += [f"`--dtype auto` runs every forward of every run in {choice['layout']} on this machine: the "
+                  f"fastest estimated one-token step ({choice['ms'][choice['layout']]:.1f} ms; {others}), and "
+                  f"{exact}{cost}.", ""]
     for task, table in results["tasks"].items():
         lines += [f"**{task}** ({table['prompts']} prompt{'s' if table['prompts'] > 1 else ''})", "",
                   "| run | T | tau | tokens/s | speedup | exact |", "|---|---|---|---|---|---|"]
