@@ -41,7 +41,7 @@ from layouts import (choose_layout, compile_step, default_device, load_target, m
                      target_layout, wants_compile)
 from peers import hf_peer, llama_cpp_peer
 from prompts import check_prompt, record_prompt
-from results import machine_stamp, shown, unwritable, write_results
+from results import figures_beside, machine_stamp, shown, unwritable, write_results
 from stats import paired_ratio, quartiles, reliability
 from step_table import (SHAPES, cpu_layouts, decode_speed_table, print_auto_choice, step_profile,
                         weights_quality)
@@ -604,11 +604,7 @@ def main(argv=None):
     print_measurements(args.layout if profiled else None, paired, profiled, quality)
 
     out = args.out
-    try:
-        images = plots(summary, out.parent, out.stem)
-    except OSError as e:  # the numbers matter more than the pictures: keep going to write them
-        print(f"warning: could not write the plots beside {out} ({e.strerror or e})", file=sys.stderr)
-        images = []
+    images = figures_beside(plots, summary, out)
     config = {k: shown(v) for k, v in vars(args).items() if k != "step_fn"}
     result = {
         "config": config, "machine": machine_stamp(args.device),

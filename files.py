@@ -127,6 +127,20 @@ def read_text(path: Path) -> str:
         raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): is it the file you meant?") from None
 
 
+def read_json_object(path: Path, what: str, error=ValueError) -> dict:
+    """A JSON file holding an object; a missing, unreadable or other file is a one-line `error`
+    naming it as `what`."""
+    if not path.is_file():
+        raise error(f"{what} not found: {path}")
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{what} {path} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise error(f"{what} {path} holds a {type(value).__name__}, not a JSON object")
+    return value
+
+
 def read_jsonl(path) -> list:
     """[(line number, record)] of a jsonl file, skipping blank lines; a bad line is a one-line error."""
     path = Path(path)

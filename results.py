@@ -65,3 +65,13 @@ def shown(value):
     if isinstance(value, list):
         return [shown(v) for v in value]
     return value
+
+
+def figures_beside(draw, summary: dict, out: Path) -> list:
+    """The figures of a results file, drawn by draw(summary, folder, stem) beside it; one that cannot
+    be written is a warning, not an error: the numbers matter more than the pictures."""
+    try:
+        return draw(summary, out.parent, out.stem)
+    except OSError as e:
+        print(f"warning: could not write the figures beside {out} ({e.strerror or e})", file=sys.stderr)
+        return []

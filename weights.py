@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import model as M
-from files import directory_written_atomically, remove_stale_temporaries
+from files import directory_written_atomically, read_json_object, remove_stale_temporaries
 from model import CheckpointError
 
 # -----------------------------------------------------------------------------
@@ -73,18 +73,9 @@ def resolve_model(name_or_path: str) -> Path:
 # Loading weights from a Hugging Face directory
 
 def read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory not found: {model_dir}")
-    if not path.is_file():
-        raise CheckpointError(f"no config.json in {model_dir}")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"corrupt config.json in {model_dir}: {e}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"config.json in {model_dir} holds a {type(config).__name__}, not a JSON object")
-    return config
+    return read_json_object(model_dir / "config.json", "config.json", CheckpointError)
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,

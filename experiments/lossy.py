@@ -48,7 +48,7 @@ from checkpoints import DEFAULT_DRAFTS, build_draft
 from decode import generate
 from files import ROOT, repo_path
 from layouts import default_device, experiment_layout, load_target, machine_problem, pick_threads
-from results import machine_stamp, shown, unwritable, write_results
+from results import figures_beside, machine_stamp, shown, unwritable, write_results
 from sandbox import SandboxError, check_sandbox
 from stats import paired_difference, problems_for_power, rank_correlation, wilson
 from tasks import correct, load_problems
@@ -577,11 +577,7 @@ def main(argv=None):
     predicts = distortion_predicts_loss(summary["all" if "all" in summary else next(iter(summary))])
     print_report(args, summary, power, predicts)
     out = args.out
-    try:
-        images = plots(summary, out.parent, out.stem)
-    except OSError as e:  # the numbers matter more than the pictures: keep going to write them
-        print(f"warning: could not write the figures beside {out} ({e.strerror or e})", file=sys.stderr)
-        images = []
+    images = figures_beside(plots, summary, out)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {"config": {**{k: shown(v) for k, v in vars(args).items()}, "git_commit": commit or "unknown",
                          "torch": torch.__version__, "seconds_this_run": round(time.time() - t0, 1)},

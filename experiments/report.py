@@ -20,7 +20,6 @@ markers, from that file alone; a test checks that README shows what the file ren
 Run it with nothing else busy: with 2 OpenMP threads another process slows a step several times.
 """
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import bench
 import model as M
 import peers
 from decode import DECODE_K
-from files import DATA, ROOT, repo_relative, write_atomically
+from files import DATA, ROOT, read_json_object, repo_relative, write_atomically
 from layouts import CPU_FEATURES, load_target, machine_problem, pick_threads
 from results import machine_stamp, unwritable, write_results
 from weights import DEFAULT_TARGET, resolve_model
@@ -120,9 +119,6 @@ def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> tuple:
 
 def render(results: dict) -> str:
     """README's results section, from the results file alone."""
-    for key in ("machine", "tasks", "command", "k", "max_new_tokens"):
-        if key not in results:
-            raise ValueError(f"the results file holds no {key!r}: is it one report.py wrote?")
     m = results["machine"]
     features = ", ".join(m["cpu_features"]) or "none of " + ", ".join(CPU_FEATURES)
     lines = [BEGIN,
@@ -175,14 +171,10 @@ def shown_command(argv: list) -> str:
 
 def read_results(path: Path) -> dict:
     """A results file report.py wrote; anything else is a one-line error."""
-    if not path.is_file():
-        raise ValueError(f"results file not found: {path} (run python experiments/report.py first)")
-    try:
-        results = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not JSON: {e}") from None
-    if not isinstance(results, dict):
-        raise ValueError(f"{path} holds no report (a JSON object report.py wrote)")
+    results = read_json_object(path, "results file (python experiments/report.py writes it)")
+    for key in ("machine", "tasks", "command", "k", "max_new_tokens"):
+        if key not in results:
+            raise ValueError(f"{path} holds no {key!r}: is it a results file report.py wrote?")
     return results
 
 

@@ -280,7 +280,7 @@ def test_a_tiny_temperature_decodes_with_a_tree_end_to_end(tiny_dir):
 
 
 @pytest.mark.parametrize("content,message", [
-    (None, "results file not found"), ("[1, 2]", "holds no report"), ("{}", "holds no 'machine'"),
+    (None, "results file .* not found"), ("[1, 2]", "holds a list, not a JSON object"), ("{}", "holds no 'machine'"),
     ("not json", "is not JSON"),
 ])
 def test_render_only_refuses_what_report_py_did_not_write(tmp_path, content, message):
