@@ -418,3 +418,12 @@ def test_a_small_seq_len_trains_on_what_fits_and_refuses_when_nothing_does(tmp_p
         TV.main(tiny_training(tmp_path / "b", "--seq-len", "4", "--steps", "2"))
     with pytest.raises(ValueError, match="--stop-at 1 lies behind the checkpoint's step 2"):
         TV.main(tiny_training(tmp_path, "--seq-len", "24", "--steps", "3", "--resume", "--stop-at", "1"))
+
+
+@pytest.mark.parametrize("threads", ["abc", "0", "100000"])
+def test_report_refuses_a_thread_count_it_cannot_use(tmp_path, threads, capsys):
+    import report
+    with pytest.raises(SystemExit) as e:
+        report.main(["--threads", threads, "--out", str(tmp_path / "r.json"), "--readme", str(tmp_path / "README.md")])
+    assert e.value.code == 2 and "--threads takes auto or a whole number" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
