@@ -161,3 +161,18 @@ def models(tmp_path_factory):
         return M.quantize_int8(m) if int8 else m
     return {"target": load(target_dir), "int8": load(target_dir, int8=True), "draft_dir": draft_dir,
             "load": load}
+
+
+def tiny_chat_target(path):
+    """A tiny Qwen3 checkpoint with a real (small) byte-level BPE chat tokenizer beside it."""
+    from conftest import write_tiny_checkpoint
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+    write_tiny_checkpoint(path, "qwen3_untied", vocab=320, layers=4)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["user assistant system question answer numbers 12345"] * 50, trainer)
+    tok.save(str(path / "tokenizer.json"))

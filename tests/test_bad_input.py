@@ -19,7 +19,8 @@ from files import ROOT
 import objectives as OB
 import train_vat as TV
 from conftest import eagle3_net
-from test_train_vat import corpus_recipe, tiny_chat_target
+from conftest import tiny_chat_target
+from test_corpus import corpus_recipe
 from tokenizer import load_tokenizer
 
 

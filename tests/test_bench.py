@@ -173,7 +173,7 @@ def test_paired_runs_pair_only_runs_with_a_twin():
 
 def test_weights_quality_compares_int8_bf16_and_int4_with_fp32(tmp_path):
     """--weights-quality: teacher-forced agreement and perplexity of each cheaper layout against fp32."""
-    from test_train_vat import tiny_chat_target
+    from conftest import tiny_chat_target
     tiny_chat_target(tmp_path / "target")
     q = step_table.weights_quality(str(tmp_path / "target"), n_texts=2, max_tokens=48)
     assert set(q) == {"int8", "bfloat16", "int4"}
