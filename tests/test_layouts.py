@@ -145,8 +145,8 @@ def test_the_probe_estimates_a_whole_forward(six_layers):
     whole = LY.build_target(six_layers, "float32", "cpu", 128)
     assert len(probe.layers) == LY.PROBE_LAYERS and len(whole.layers) == 6
     estimate = LY.estimated_ms(probe, 6, 1)
-    measured = 1e3 * LY.step_seconds(whole, 1, seconds=0.3)
-    assert 0.5 < estimate / measured < 2
+    measured = 1e3 * LY.step_seconds(whole, 1, seconds=0.3, cold=True)  # (the probe is timed cold too)
+    assert 0.6 < estimate / measured < 1.6
 
 
 def test_block_costs_interpolate_and_never_fall():
