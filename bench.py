@@ -37,8 +37,8 @@ from checkpoints import DEFAULT_DRAFTS, build_draft, checkpoint_step
 from decode import adaptive, check_temperature, generate
 from draft import HeadCalibration
 from files import ROOT, read_jsonl, repo_path
-from layouts import (choose_layout, compile_step, default_device, load_target, machine_problem, pick_threads,
-                     target_layout, wants_compile)
+from layouts import choose_layout, load_target, target_layout
+from machine import compile_step, default_device, machine_problem, pick_threads, wants_compile
 from peers import hf_peer, llama_cpp_peer
 from prompts import check_prompt, record_prompt
 from results import figures_beside, machine_stamp, shown, unwritable, write_results

@@ -25,9 +25,8 @@ import model as M
 from checkpoints import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
 from draft import AdaptiveDraft, NoDraft
 from files import repo_path, repo_relative
-from layouts import (compile_step, default_device, drafting_is_exact, layout_reason, load_target,
-                     machine_problem, pick_threads, run_block_costs, target_layout, wants_compile,
-                     warn_if_blocks_inexact)
+from layouts import drafting_is_exact, layout_reason, load_target, run_block_costs, target_layout
+from machine import compile_step, default_device, machine_problem, pick_threads, wants_compile
 from prompts import read_prompts
 from tokenizer import load_tokenizer
 from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify, verify_tree
@@ -427,21 +426,17 @@ def encode_prompts(args, tokenizer, context: int, verifier: Verifier) -> list:
 def run_draft(args, target, tokenizer, generator):
     """The run's draft, or None. Where the layout's blocks are not exact here, the default decodes
     plainly (drafting would change the output) and a draft asked for is run with a warning."""
-    exact = drafting_is_exact(target)
     if args.verifier == "none":
         return None
-    if args.default_draft and not exact:
+    if not drafting_is_exact(target, args.num_draft_tokens + 1):
         print(f"note: on this CPU {target.layout} blocks do not give the bits of one-token steps, so drafting "
-              f"would change the output: decoding plainly (--dtype float32 drafts exactly)", file=sys.stderr)
-        args.verifier, args.draft = "none", None
-        return None
+              f"changes the output" + (": decoding plainly" if args.default_draft else "") +
+              " (--dtype float32 drafts exactly)", file=sys.stderr)
+        if args.default_draft:
+            args.verifier, args.draft = "none", None
+            return None
     draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
                         generator=generator, early_exit=args.early_exit)
-    if not exact:
-        print(f"note: on this CPU {target.layout} blocks do not give the bits of one-token steps: greedy "
-              f"speculation may part from plain decoding (--dtype float32 drafts exactly)", file=sys.stderr)
-    elif not target.choice:
-        warn_if_blocks_inexact(target, args.num_draft_tokens + 1)
     return adaptive(draft, target) if args.adaptive else draft
 
 

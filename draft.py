@@ -298,7 +298,6 @@ class AdaptiveDraft:
         self.max_tokens = draft.max_tokens
         self.cost, self.step_seconds = cost, step_seconds
         self.draft_step = 0.0  # the draft's time per proposed token, in one-token target steps
-        self.steps = self.drafting_steps = 0
         self.reset(0)
 
     @property
@@ -334,7 +333,6 @@ class AdaptiveDraft:
 
     def propose(self, k: int):
         self.proposed = 0
-        self.steps += 1
         n = self.best_length(k)
         if n == 0 and getattr(self.draft, "free", False):
             if not self.watched:  # what it would draft, checked against what plain decoding commits
@@ -354,7 +352,6 @@ class AdaptiveDraft:
         if self.proposed and self.step_seconds:
             per_token = (time.perf_counter() - start) / self.proposed / self.step_seconds
             self.draft_step = self.DECAY * self.draft_step + (1 - self.DECAY) * per_token
-        self.drafting_steps += self.proposed > 0
         return tokens, q
 
     def commit(self, new_ids, n_accepted, features=None):

@@ -30,74 +30,9 @@ from tqdm import tqdm
 
 import model as M
 from files import write_atomically
+from machine import machine_is_quiet, machine_problem
 from tokenizer import load_tokenizer
 from weights import cache_dir, load_model, read_config, resolve_model
-
-# -----------------------------------------------------------------------------
-# Device, threads, compilation
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def idle_cores(seconds: float = 0.25) -> float | None:
-    """How many cores the rest of the machine leaves idle right now (Linux /proc/stat); None where
-    that cannot be read."""
-    def sample():
-        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, all
-    try:
-        idle0, total0 = sample()
-        time.sleep(seconds)
-        idle1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (os.cpu_count() or 1) * (idle1 - idle0) / max(total1 - total0, 1e-9)
-
-
-def machine_is_quiet() -> bool:
-    """Whether every core is idle right now: a timing made otherwise is used but never kept."""
-    idle = idle_cores()
-    return idle is not None and idle >= (os.cpu_count() or 1) - 0.5
-
-
-def pick_threads(flag: str) -> int:
-    """--threads N, or auto: one per core that nothing else is using. OpenMP threads spin while they
-    wait for each other, so a thread that shares its core with a busy process stalls them all."""
-    if flag != "auto":
-        return max(1, int(flag))
-    idle = idle_cores()
-    return torch.get_num_threads() if idle is None else max(1, min(torch.get_num_threads(), round(idle)))
-
-
-def start_processes(device: str):
-    """(device, rank, world): one process, or one of several launched by torchrun (DDP)."""
-    if "RANK" not in os.environ:
-        return device, 0, 1
-    import torch.distributed as dist
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    if device.startswith("cuda"):
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        torch.cuda.set_device(device)
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-def wants_compile(flag: str, device: str) -> bool:
-    """--compile auto|on|off: auto compiles on CUDA only (on CPU the packed eager model is faster)."""
-    return flag == "on" or (flag == "auto" and device.startswith("cuda"))
-
-
-def compile_step(target, mode: str = "default"):
-    """torch.compile the target's forward. It then attends the whole cache, so each block length is
-    one static graph. On a CPU inductor freezes the weights (folds them into the graph as constants)
-    and fuses the small ops between the matmuls; it cannot compile our packed weights, so the target
-    must be unpacked. On CUDA, mode "reduce-overhead" adds CUDA graphs."""
-    target.attend_full_cache = True
-    if target.embed_tokens.weight.device.type == "cpu":
-        return torch.compile(target, dynamic=False, options={"freezing": True})
-    return torch.compile(target, dynamic=False, mode=mode)
-
 
 # -----------------------------------------------------------------------------
 # The layouts
@@ -183,10 +118,11 @@ def layout_candidates(path: Path) -> list:
 
 def layout_problem(path: Path, layout: str) -> str | None:
     """Why the model at `path` cannot run in `layout`, or None."""
-    if layout == "int4" and not int4_fits(read_config(path)):
+    config = read_config(path) if layout == "int4" else {}
+    if config and not int4_fits(config):
         return (f"--dtype int4 needs layer widths in multiples of {M.INT4_GROUP} (the model at {path} has "
-                f"hidden_size {read_config(path).get('hidden_size')}, intermediate_size "
-                f"{read_config(path).get('intermediate_size')}): use another --dtype")
+                f"hidden_size {config.get('hidden_size')}, intermediate_size {config.get('intermediate_size')}): "
+                f"use another --dtype")
     return None
 
 
@@ -208,7 +144,7 @@ def step_seconds(target: M.Transformer, block: int, seconds: float = 0.3, cold: 
     """Median wall time of a forward of `block` new tokens after a `context`-token one (rewritten in
     place each time, as a rejected speculative block is), over about `seconds` of steps. cold:
     read a buffer four times the CPU's largest cache before each forward, so a small model's
-    weights come from memory as a whole model's do (a probe's two layers would otherwise stay in
+    weights come from memory as a whole model's do (a probe's few layers would otherwise stay in
     cache between steps, and the layouts that read the most bytes would look cheap)."""
     context = min(context, target.max_seq_len - block)
     tokens = torch.randint(0, target.args.vocab_size, (1, context + block))
@@ -324,21 +260,25 @@ def keep(key: str, entry: dict, quiet: bool):
               f"it is used for this run only", file=sys.stderr)
 
 
-def valid_ms(table) -> bool:
-    return isinstance(table, dict) and bool(table) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-        for v in table.values())
-
-
-def valid_per_key(value) -> bool:
+def finite(value) -> bool:
+    """A number (not a bool) that is finite and not negative."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
+def valid_ms(table) -> bool:
+    return isinstance(table, dict) and bool(table) and all(finite(v) and v > 0 for v in table.values())
+
+
+def valid_block_table(entry) -> bool:
+    """Every block size timed, and attention's cost per cached key."""
+    return isinstance(entry, dict) and valid_ms(entry.get("blocks_ms")) and finite(entry.get("attention_ms_per_key")) \
+        and all(str(b) in entry["blocks_ms"] for b in BLOCKS)
+
+
 def valid_choice(entry) -> bool:
-    """A whole decision: a known layout, the one-token times behind it, the block table."""
+    """A whole decision: a known layout, the one-token times behind it, its block table."""
     return isinstance(entry, dict) and entry.get("layout") in LAYOUTS and valid_ms(entry.get("ms")) \
-        and isinstance(entry.get("inexact"), list) and valid_ms(entry.get("blocks_ms")) \
-        and all(str(b) in entry["blocks_ms"] for b in BLOCKS) and valid_per_key(entry.get("attention_ms_per_key"))
+        and isinstance(entry.get("inexact"), list) and valid_block_table(entry)
 
 
 def choose_layout(path: Path) -> dict:
@@ -364,54 +304,56 @@ def choose_layout(path: Path) -> dict:
         del probe
         release_memory()
     best = min(ms, key=ms.get)
-    probe = build_target(path, best, "cpu", context, n_layer=PROBE_LAYERS)
-    blocks_ms = {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS}
-    per_key = attention_ms_per_key(probe, n_layer)
-    del probe
-    release_memory()
-    entry = {"layout": best, "ms": ms, "inexact": inexact, "blocks_ms": blocks_ms,
-             "attention_ms_per_key": per_key, "date": time.strftime("%Y-%m-%d")}
+    entry = {"layout": best, "ms": ms, "inexact": inexact, **measure_blocks(path, best, n_layer),
+             "date": time.strftime("%Y-%m-%d")}
     keep(key, entry, quiet and machine_is_quiet())
     return entry
+
+
+def measure_blocks(path: Path, layout: str, n_layer: int) -> dict:
+    """A layout's block table, from a probe: the estimated forward of each block size, and what a
+    cached key adds to one query's attention."""
+    probe = build_target(path, layout, "cpu", LONG_CONTEXT + max(BLOCKS), n_layer=PROBE_LAYERS)
+    return {"blocks_ms": {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS},
+            "attention_ms_per_key": attention_ms_per_key(probe, n_layer)}
+
+
+def glibc():
+    """The C library's allocator controls, or None where it is not glibc (its allocator decides)."""
+    import ctypes
+    try:
+        lib = ctypes.CDLL("libc.so.6")
+        return lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 def return_freed_weights():
     """Make glibc give every block of a megabyte or more back to the system when it is freed.
     Loading reads each weight, then a layout replaces it with its packed or quantized form; by
     default glibc keeps the freed weights' memory for reuse, and a model would peak at twice its
-    size. (Elsewhere than glibc the allocator decides.)"""
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 1 MiB
-    except (OSError, AttributeError):
-        pass
+    size."""
+    if glibc():
+        glibc().mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 1 MiB
 
 
 def release_memory():
-    """Hand the memory of dropped probes back to the system (glibc keeps freed blocks for reuse,
-    and the whole model is built next)."""
-    import ctypes
+    """Hand the memory of dropped probes back to the system before the whole model is built."""
     import gc
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: its allocator decides
+    if glibc():
+        glibc().malloc_trim(0)
 
 
 def block_table(path: Path, layout: str) -> dict:
-    """{"blocks_ms": {block size: estimated ms}, "attention_ms_per_key": ...} of a layout asked for
-    by name (auto's come with its choice), measured on a probe once and kept as auto's decision is."""
+    """The block table (measure_blocks) of a layout asked for by name (auto's comes with its
+    choice), measured once and kept as auto's decision is."""
     key = cache_key(path, f"blocks {layout}")
     known = read_cache().get(key)
-    if isinstance(known, dict) and valid_ms(known.get("blocks_ms")) and all(
-            str(b) in known["blocks_ms"] for b in BLOCKS) and valid_per_key(known.get("attention_ms_per_key")):
+    if valid_block_table(known):
         return known
     quiet = machine_is_quiet()
-    n_layer = int(read_config(path).get("num_hidden_layers") or 1)
-    probe = build_target(path, layout, "cpu", LONG_CONTEXT + max(BLOCKS), n_layer=PROBE_LAYERS)
-    table = {"blocks_ms": {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS},
-             "attention_ms_per_key": attention_ms_per_key(probe, n_layer)}
+    table = measure_blocks(path, layout, int(read_config(path).get("num_hidden_layers") or 1))
     keep(key, table, quiet and machine_is_quiet())
     return table
 
@@ -476,20 +418,15 @@ def run_block_costs(target: M.Transformer) -> tuple:
     return block_cost_model(table, apart), float(table["blocks_ms"]["1"]) / 1e3
 
 
-def warn_if_blocks_inexact(target: M.Transformer, block: int):
-    """A coarse layout asked for by name (auto never takes one) whose blocks part from one-token
-    steps here: say so once, and run it."""
-    if target.layout in EXACT_LAYOUTS and target.embed_tokens.weight.device.type == "cpu" \
-            and not blocks_match_steps(target, block):
-        print(f"note: on this CPU {target.layout} blocks of {block} tokens do not give the bits of one-token "
-              f"steps: greedy speculation may part from plain decoding (--dtype auto does not)", file=sys.stderr)
-
-
-def drafting_is_exact(target: M.Transformer) -> bool:
-    """Whether verification blocks give the bits of one-token steps in the run's layout (as far
-    as auto's probe saw; a layout asked for by name is trusted, with warn_if_blocks_inexact)."""
+def drafting_is_exact(target: M.Transformer, block: int) -> bool:
+    """Whether verification blocks give the bits of one-token steps in the run's layout: as auto's
+    probe saw it, or, for a coarse layout asked for by name, checked now on blocks of `block` tokens
+    (fp32's blocks differ from its steps by 2^-24 relative at most, which EXACT_LAYOUTS says)."""
     choice = getattr(target, "choice", None)
-    return not choice or choice["layout"] not in choice["inexact"]
+    if choice:
+        return choice["layout"] not in choice["inexact"]
+    return target.layout not in EXACT_LAYOUTS or target.embed_tokens.weight.device.type != "cpu" \
+        or blocks_match_steps(target, block)
 
 
 def layout_reason(target: M.Transformer) -> str:
@@ -522,23 +459,3 @@ def target_layout(dtype: str | None, device: str, compiled: bool, pack: bool = T
         return "float32" if compiled else "auto"
     packs = pack and not compiled and dtype in ("float32", "bfloat16") and M.packable(getattr(torch, dtype))
     return f"{dtype}-packed" if packs else dtype
-
-
-def machine_problem(device: str, threads: str, dtype: str | None, compiled: bool = False) -> str | None:
-    """What is wrong with --device, --threads and --dtype together (decode.py, bench.py and
-    lossy.py check them alike, before any weights load), or None."""
-    if device != "cpu" and not device.startswith("cuda"):
-        return f"--device takes cpu, cuda or cuda:N, got {device!r}"
-    if device.startswith("cuda"):
-        index = device.partition(":")[2]
-        if not torch.cuda.is_available():
-            return f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
-        if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
-            return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
-    cores = os.cpu_count() or 1
-    if threads != "auto" and not (threads.isdigit() and 1 <= int(threads) <= cores):
-        return f"--threads takes auto or a whole number from 1 to the {cores} cores here, got {threads}"
-    if dtype in ("int8", "int4") and (device != "cpu" or compiled):
-        return f"--dtype {dtype} runs on the CPU, uncompiled; use bfloat16 on a GPU"
-
-    return None

@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 import model as M
 from files import DATA, read_jsonl
-from layouts import LAYOUTS, apply_layout, block_cost_model, compile_step, layout_dtype, load_target
+from layouts import LAYOUTS, apply_layout, block_cost_model, layout_dtype, load_target
+from machine import compile_step
 
 # -----------------------------------------------------------------------------
 # Decode-speed table: the named targets' shapes with random weights, against the bandwidth floor.

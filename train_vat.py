@@ -40,7 +40,8 @@ from decode import generate
 from dflash import DFlash, DFlashDraft, dflash_target_layers
 from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
 from files import ROOT, repo_path
-from layouts import default_device, experiment_layout, load_target, machine_problem, start_processes
+from layouts import experiment_layout, load_target
+from machine import default_device, machine_problem, start_processes
 from objectives import DraftLoss, LossSettings
 from verify import Verifier
 from weights import DEFAULT_TARGET, HF_REPOS, cache_dir, load_model, read_config, resolve_model

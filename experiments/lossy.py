@@ -41,17 +41,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modules, one folder up
 
 import torch
+from sandbox import SandboxError, check_sandbox
+from tasks import correct, load_problems
 from tqdm import tqdm
 
 import model as M
 from checkpoints import DEFAULT_DRAFTS, build_draft
 from decode import generate
 from files import ROOT, repo_path
-from layouts import default_device, experiment_layout, load_target, machine_problem, pick_threads
+from layouts import experiment_layout, load_target
+from machine import default_device, machine_problem, pick_threads
 from results import figures_beside, machine_stamp, shown, unwritable, write_results
-from sandbox import SandboxError, check_sandbox
 from stats import paired_difference, problems_for_power, rank_correlation, wilson
-from tasks import correct, load_problems
 from verify import Verifier, induced, own_distribution
 from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
 

@@ -33,7 +33,8 @@ import model as M
 import peers
 from decode import DECODE_K
 from files import DATA, ROOT, read_json_object, repo_relative, write_atomically
-from layouts import CPU_FEATURES, load_target, machine_problem, pick_threads
+from layouts import CPU_FEATURES, load_target
+from machine import machine_problem, pick_threads
 from results import machine_stamp, unwritable, write_results
 from weights import DEFAULT_TARGET, resolve_model
 

@@ -10,7 +10,7 @@ import torch
 import weights as WT
 import model as M
 from files import ROOT
-from layouts import compile_step
+from machine import compile_step
 from decode import generate
 from draft import LookupDraft, ModelDraft
 from verify import Verifier, probs_from_logits
@@ -243,7 +243,7 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
 def test_auto_threads_leave_a_busy_core_alone():
     """--threads auto counts the cores nothing else uses: a busy process beside us takes one away."""
     import os
-    from layouts import pick_threads
+    from machine import pick_threads
     assert pick_threads("3") == 3
     if (os.cpu_count() or 1) < 2 or torch.get_num_threads() < 2:
         pytest.skip("needs two cores")

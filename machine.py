@@ -1,0 +1,91 @@
+"""
+The machine a run uses: its device, how many CPU threads, whether the step is compiled, and the
+checks of those flags that every script shares before any weights load.
+"""
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def idle_cores(seconds: float = 0.25) -> float | None:
+    """How many cores the rest of the machine leaves idle right now (Linux /proc/stat); None where
+    that cannot be read."""
+    def sample():
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, all
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (os.cpu_count() or 1) * (idle1 - idle0) / max(total1 - total0, 1e-9)
+
+
+def machine_is_quiet() -> bool:
+    """Whether every core is idle right now: a timing made otherwise is used but never kept."""
+    idle = idle_cores()
+    return idle is not None and idle >= (os.cpu_count() or 1) - 0.5
+
+
+def pick_threads(flag: str) -> int:
+    """--threads N, or auto: one per core that nothing else is using. OpenMP threads spin while they
+    wait for each other, so a thread that shares its core with a busy process stalls them all."""
+    if flag != "auto":
+        return max(1, int(flag))
+    idle = idle_cores()
+    return torch.get_num_threads() if idle is None else max(1, min(torch.get_num_threads(), round(idle)))
+
+
+def start_processes(device: str):
+    """(device, rank, world): one process, or one of several launched by torchrun (DDP)."""
+    if "RANK" not in os.environ:
+        return device, 0, 1
+    import torch.distributed as dist
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def wants_compile(flag: str, device: str) -> bool:
+    """--compile auto|on|off: auto compiles on CUDA only (on CPU the packed eager model is faster)."""
+    return flag == "on" or (flag == "auto" and device.startswith("cuda"))
+
+
+def compile_step(target, mode: str = "default"):
+    """torch.compile the target's forward. It then attends the whole cache, so each block length is
+    one static graph. On a CPU inductor freezes the weights (folds them into the graph as constants)
+    and fuses the small ops between the matmuls; it cannot compile our packed weights, so the target
+    must be unpacked. On CUDA, mode "reduce-overhead" adds CUDA graphs."""
+    target.attend_full_cache = True
+    if target.embed_tokens.weight.device.type == "cpu":
+        return torch.compile(target, dynamic=False, options={"freezing": True})
+    return torch.compile(target, dynamic=False, mode=mode)
+
+
+def machine_problem(device: str, threads: str, dtype: str | None, compiled: bool = False) -> str | None:
+    """What is wrong with --device, --threads and --dtype together (decode.py, bench.py and
+    lossy.py check them alike, before any weights load), or None."""
+    if device != "cpu" and not device.startswith("cuda"):
+        return f"--device takes cpu, cuda or cuda:N, got {device!r}"
+    if device.startswith("cuda"):
+        index = device.partition(":")[2]
+        if not torch.cuda.is_available():
+            return f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
+        if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+            return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
+    cores = os.cpu_count() or 1
+    if threads != "auto" and not (threads.isdigit() and 1 <= int(threads) <= cores):
+        return f"--threads takes auto or a whole number from 1 to the {cores} cores here, got {threads}"
+    if dtype in ("int8", "int4") and (device != "cpu" or compiled):
+        return f"--dtype {dtype} runs on the CPU, uncompiled; use bfloat16 on a GPU"
+
+    return None
