@@ -20,9 +20,7 @@ plots beside it, and ends stdout with one JSON line of headline figures.
 """
 import argparse
 import json
-import math
 import re
-import resource
 import statistics
 import sys
 import time
@@ -36,59 +34,18 @@ import model as M
 from checkpoints import DEFAULT_DRAFTS, build_draft, checkpoint_step
 from decode import adaptive, check_temperature, generate
 from draft import HeadCalibration
-from files import ROOT, read_jsonl, repo_path
+from files import ROOT, repo_path
 from layouts import choose_layout, load_target, target_layout
-from machine import compile_step, default_device, machine_problem, pick_threads, wants_compile
+from machine import (compile_step, default_device, machine_problem, peak_memory_mb, pick_threads,
+                     reset_peak_memory, wants_compile)
 from peers import hf_peer, llama_cpp_peer
-from prompts import check_prompt, record_prompt
+from prompts import load_prompts
 from results import figures_beside, machine_stamp, shown, unwritable, write_results
 from stats import paired_ratio, quartiles, reliability
 from step_table import (SHAPES, cpu_layouts, decode_speed_table, print_auto_choice, step_profile,
                         weights_quality)
 from verify import VERIFIERS, Verifier
 from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
-
-# -----------------------------------------------------------------------------
-# Prompts and tasks
-
-def load_prompts(path: Path, categories, limit: int | None, from_end: bool = False) -> list:
-    """[(category, text)] from a Spec-Bench-like jsonl; `limit` prompts per category, the first ones
-    or, from_end, the last ones (in file order either way)."""
-    if not path.is_file():
-        raise ValueError(f"prompt file not found: {path} (pass --prompt-file)")
-    out, per_category = [], {}
-    records = read_jsonl(path)
-    for number, record in reversed(records) if from_end else records:
-        category = record.get("category", "all")
-        if categories and category not in categories or per_category.get(category, 0) >= (limit or math.inf):
-            continue
-        per_category[category] = per_category.get(category, 0) + 1
-        out.append((category, check_prompt(record_prompt(record, f"{path} line {number}"), f"{path} line {number}")))
-    if not out:
-        raise ValueError(f"no prompts selected from {path}")
-    return out[::-1] if from_end else out
-
-
-def reset_peak_memory(device: str):
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # Linux: writing 5 to clear_refs restarts the resident-set high-water mark (VmHWM)
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # elsewhere the figure is the process's peak so far
-
-
-def peak_memory_mb(device: str) -> float:
-    """Peak device memory allocated (CUDA), or the process's peak resident set (CPU), in MiB."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    status = Path("/proc/self/status")
-    for line in status.read_text().splitlines() if status.is_file() else []:
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
 
 # -----------------------------------------------------------------------------
 # Runs

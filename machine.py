@@ -3,6 +3,7 @@ The machine a run uses: its device, how many CPU threads, whether the step is co
 checks of those flags that every script shares before any weights load.
 """
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -89,3 +90,24 @@ def machine_problem(device: str, threads: str, dtype: str | None, compiled: bool
         return f"--dtype {dtype} runs on the CPU, uncompiled; use bfloat16 on a GPU"
 
     return None
+
+
+def reset_peak_memory(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 to clear_refs restarts the resident-set high-water mark (VmHWM)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # elsewhere the figure is the process's peak so far
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak device memory allocated (CUDA), or the process's peak resident set (CPU), in MiB."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.is_file() else []:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

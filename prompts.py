@@ -2,6 +2,7 @@
 Prompts: a string, a text file, or a jsonl of Spec-Bench / ShareGPT / Alpaca / GSM8K records, each
 checked to be non-empty text; a record of the wrong shape is a one-line error naming its line.
 """
+import math
 from pathlib import Path
 
 from files import read_jsonl, read_text
@@ -62,3 +63,21 @@ def check_prompt(text, where: str) -> str:
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{where}: the prompt is {'empty' if isinstance(text, str) else repr(text)}")
     return text
+
+
+def load_prompts(path: Path, categories, limit: int | None, from_end: bool = False) -> list:
+    """[(category, text)] from a Spec-Bench-like jsonl; `limit` prompts per category, the first ones
+    or, from_end, the last ones (in file order either way)."""
+    if not path.is_file():
+        raise ValueError(f"prompt file not found: {path} (pass --prompt-file)")
+    out, per_category = [], {}
+    records = read_jsonl(path)
+    for number, record in reversed(records) if from_end else records:
+        category = record.get("category", "all")
+        if categories and category not in categories or per_category.get(category, 0) >= (limit or math.inf):
+            continue
+        per_category[category] = per_category.get(category, 0) + 1
+        out.append((category, check_prompt(record_prompt(record, f"{path} line {number}"), f"{path} line {number}")))
+    if not out:
+        raise ValueError(f"no prompts selected from {path}")
+    return out[::-1] if from_end else out

@@ -35,6 +35,7 @@ from decode import DECODE_K
 from files import DATA, ROOT, read_json_object, repo_relative, write_atomically
 from layouts import CPU_FEATURES, load_target
 from machine import machine_problem, pick_threads
+from prompts import load_prompts
 from results import machine_stamp, unwritable, write_results
 from weights import DEFAULT_TARGET, resolve_model
 
@@ -72,9 +73,9 @@ def task_prompts(task: str, limit: int, tokenizer) -> list:
     """[(category, chat-encoded ids)]: one Spec-Bench question per category, or the last GSM8K
     test questions (`limit` of them)."""
     if task == "Spec-Bench":
-        chosen = bench.load_prompts(DATA / "spec_bench_questions.jsonl", None, 1)[:limit]
+        chosen = load_prompts(DATA / "spec_bench_questions.jsonl", None, 1)[:limit]
     else:
-        chosen = [("gsm8k", text) for _, text in bench.load_prompts(DATA / "gsm8k_test.jsonl", None, limit,
+        chosen = [("gsm8k", text) for _, text in load_prompts(DATA / "gsm8k_test.jsonl", None, limit,
                                                                      from_end=True)]
     return [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in chosen]
 
