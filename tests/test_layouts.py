@@ -97,7 +97,11 @@ def test_where_the_fastest_layout_drafts_inexactly_the_default_decodes_plainly(s
     decode.main(["--target", str(six_layers), "--raw", "--prompt", "1 2 3 1 2 3", "--max-new-tokens", "4", "--json"])
     out, err = capsys.readouterr()
     assert "drafting changes the output: decoding plainly" in err
-    assert json.loads(out.strip().splitlines()[-1])["draft"] is None
+    default = json.loads(out.strip().splitlines()[-1])
+    assert default["draft"] is None and default["layout"] == "bfloat16-packed"
+    decode.main(["--target", str(six_layers), "--raw", "--prompt", "1 2 3 1 2 3", "--max-new-tokens", "4", "--json",
+                 "--verifier", "none"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == default["tokens"]
 
 
 @pytest.mark.parametrize("damage", ["not json", "no ms", "a directory", "unwritable", "busy"])
