@@ -178,6 +178,12 @@ def peer_runs(target_name: str, temperature: float, k: int) -> list:
     return runs
 
 
+def encode_prompts(args, tokenizer) -> list:
+    """[(category, chat-templated ids)] of the prompts the speed runs use."""
+    prompts = load_prompts(repo_path(args.prompt_file), args.categories, args.limit, args.from_end)
+    return [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
+
+
 def speed_runs(args, target, tokenizer, generator):
     """Every draft x verifier x temperature and the baseline, interleaved prompt by prompt.
     Returns {run name: [one result per prompt]} and {run name: temperature}."""
@@ -197,8 +203,7 @@ def speed_runs(args, target, tokenizer, generator):
                                 Verifier(name), tree=parse_spec(spec)[2]))
         if args.peers:
             runs += peer_runs(args.target, temperature, args.num_draft_tokens)
-    prompts = load_prompts(repo_path(args.prompt_file), args.categories, args.limit, args.from_end)
-    encoded = [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
+    encoded = encode_prompts(args, tokenizer)
     records = interleave(runs, encoded, args.num_draft_tokens, args.max_new_tokens, tokenizer.stop_ids,
                          generator, args.device, args.warmup, args.step_fn)
     calibrations = {run.name: reliability(run.draft.calibration) for run in runs
@@ -543,6 +548,10 @@ def main(argv=None):
     if args.profile_step:
         profiled = step_profile(target, blocks=(1, args.num_draft_tokens + 1))
     if not args.speed_off:
+        if args.compile:  # a compiled step attends its whole cache: size it to what the prompts reach
+            reach = max(len(ids) for _, ids in encode_prompts(args, tokenizer)) + args.max_new_tokens + \
+                max(args.num_draft_tokens, max((parse_spec(d)[2] for d in args.drafts), default=0)) + 1
+            target.setup_caches(1, min(reach, target.max_seq_len))
         args.step_fn = compile_step(target) if args.compile else None
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
         records, temperatures, calibrations = speed_runs(args, target, tokenizer, generator)

@@ -287,8 +287,8 @@ def add_machine_args(ap):
                    help="the target's weights. auto (default): one layout for the whole run, the fastest exact one "
                         "timed here (README: weight layouts); int8/int4 change the model a little")
     g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="torch.compile the decode step; auto: on for CUDA, off for CPU (inductor cannot compile the "
-                        "packed weights)")
+                   help="torch.compile the decode step; auto: on for CUDA only. Each block length compiles once "
+                        "(on a CPU minutes at first, then cached), which pays only over long runs")
     g.add_argument("--no-pack", dest="pack", action="store_false",
                    help="with --dtype float32 or bfloat16 on CPU, keep nn.Linear weights unpacked (not oneDNN's layout)")
     g.add_argument("--threads", default="auto",
@@ -423,12 +423,13 @@ def encode_prompts(args, tokenizer, context: int, verifier: Verifier) -> list:
     return encoded
 
 
-def run_draft(args, target, tokenizer, generator):
-    """The run's draft, or None. Where the layout's blocks are not exact here, the default decodes
-    plainly (drafting would change the output) and a draft asked for is run with a warning."""
+def run_draft(args, target, tokenizer, generator, step_fn=None):
+    """The run's draft, or None. Where the layout's blocks (in the run's forward step_fn, default
+    the target's own) are not exact here, the default decodes plainly (drafting would change the
+    output) and a draft asked for is run with a warning."""
     if args.verifier == "none":
         return None
-    if not drafting_is_exact(target, args.num_draft_tokens + 1):
+    if not drafting_is_exact(target, args.num_draft_tokens + 1, step_fn):
         print(f"note: on this CPU {target.layout} blocks do not give the bits of one-token steps, so drafting "
               f"changes the output" + (": decoding plainly" if args.default_draft else "") +
               " (--dtype float32 drafts exactly)", file=sys.stderr)
@@ -458,8 +459,8 @@ def main(argv=None):
     target, _ = load_target(str(path), args.device, layout, min(context, reach))
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     print(f"[{layout_reason(target)}]", file=sys.stderr)
-    draft = run_draft(args, target, tokenizer, generator)
     step_fn = compile_step(target) if compiled else target
+    draft = run_draft(args, target, tokenizer, generator, step_fn if compiled else None)
     args.layout = target.layout
 
     show = TokenColours(args.show and sys.stdout.isatty())

@@ -198,9 +198,12 @@ def estimated_ms(probe: M.Transformer, n_layer: int, block: int) -> float:
 EXACT_LAYOUTS = ("bfloat16-packed", "bfloat16", "int8", "int4")
 
 
-def blocks_match_steps(target: M.Transformer, block: int, trials: int = 3) -> bool:
+def blocks_match_steps(target: M.Transformer, block: int, trials: int = 3, step=None) -> bool:
     """Whether forwards of `block` tokens give bit for bit the logits of `block` one-token steps,
-    on random tokens after a 64-token context, here (this CPU, its thread count)."""
+    on random tokens after a 64-token context, here (this CPU, its thread count). step: the forward
+    the run decodes with (a compiled target), if not the target's own; the context is prefilled
+    by the target either way, as generate() does."""
+    step = target if step is None else step
     context = min(64, target.max_seq_len - block)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -208,8 +211,8 @@ def blocks_match_steps(target: M.Transformer, block: int, trials: int = 3) -> bo
             tokens = torch.randint(0, target.args.vocab_size, (1, context + block), generator=generator)
             positions = torch.arange(context + block)
             target(tokens[:, :context], positions[:context])
-            whole, _ = target(tokens[:, context:], positions[context:])
-            steps = [target(tokens[:, i:i + 1], positions[i:i + 1])[0] for i in range(context, context + block)]
+            whole, _ = step(tokens[:, context:], positions[context:])
+            steps = [step(tokens[:, i:i + 1], positions[i:i + 1])[0] for i in range(context, context + block)]
             if not torch.equal(whole, torch.cat(steps, 1)):
                 return False
     return True
@@ -418,15 +421,16 @@ def run_block_costs(target: M.Transformer) -> tuple:
     return block_cost_model(table, apart), float(table["blocks_ms"]["1"]) / 1e3
 
 
-def drafting_is_exact(target: M.Transformer, block: int) -> bool:
+def drafting_is_exact(target: M.Transformer, block: int, step=None) -> bool:
     """Whether verification blocks give the bits of one-token steps in the run's layout: as auto's
     probe saw it, or, for a coarse layout asked for by name, checked now on blocks of `block` tokens
-    (fp32's blocks differ from its steps by 2^-24 relative at most, which EXACT_LAYOUTS says)."""
+    with the run's forward `step` (default the target's own; fp32's blocks differ from its steps
+    by 2^-24 relative at most, which EXACT_LAYOUTS says)."""
     choice = getattr(target, "choice", None)
-    if choice:
+    if choice and step is None:  # (auto's probe timed eager forwards, not compiled ones)
         return choice["layout"] not in choice["inexact"]
     return target.layout not in EXACT_LAYOUTS or target.embed_tokens.weight.device.type != "cpu" \
-        or blocks_match_steps(target, block)
+        or blocks_match_steps(target, block, step=step)
 
 
 def layout_reason(target: M.Transformer) -> str:
@@ -447,8 +451,9 @@ def experiment_layout(device: str) -> str:
 
 def target_layout(dtype: str | None, device: str, compiled: bool, pack: bool = True) -> str:
     """--dtype as load_target takes it. Default (auto): on a CPU the layout measured fastest here
-    (torch.compile folds and packs the weights itself, so compiled CPU runs take float32 as it is);
-    bfloat16 on CUDA. float32 and bfloat16 on a CPU are packed unless pack is False."""
+    (for eager steps; a compiled run takes it too, unpacked); bfloat16 on CUDA. float32 and
+    bfloat16 on a CPU are packed unless pack is False or the run is compiled (torch.compile packs
+    the weights itself)."""
     dtype = dtype or "auto"
     problem = machine_problem(device, "auto", dtype, compiled)
     if problem:
@@ -456,6 +461,6 @@ def target_layout(dtype: str | None, device: str, compiled: bool, pack: bool = T
     if device != "cpu":
         return "bfloat16" if dtype == "auto" else dtype
     if dtype == "auto":
-        return "float32" if compiled else "auto"
+        return "auto"
     packs = pack and not compiled and dtype in ("float32", "bfloat16") and M.packable(getattr(torch, dtype))
     return f"{dtype}-packed" if packs else dtype

@@ -105,16 +105,20 @@ def config_number(cfg: dict, key: str, default=None) -> float:
 # The network
 
 class RMSNorm(nn.Module):
-    # written out: on CPU these four small ops beat torch's fused rms_norm kernel 3x for one token
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalize in fp32 and cast back before the weight, as HF, EAGLE and DFlash do, so bf16
-        # runs round where theirs round (both casts are no-ops for fp32 inputs)
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        # x / sqrt(mean(x^2) + eps), normalized in fp32 and cast back before the weight, as HF,
+        # EAGLE and DFlash do, so bf16 runs round where theirs round (both casts are no-ops for
+        # fp32 inputs). Written with vector_norm: one token's step makes sixty of these, and on a
+        # CPU torch's rms_norm runs as seven small ops where this is four
+        x32 = x.float()
+        norm = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)  # (..., 1)
+        inv_rms = torch.rsqrt(norm.square() / x.shape[-1] + self.eps)  # (out of place: training differentiates it)
+        return self.weight * (x32 * inv_rms).to(x.dtype)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -158,10 +162,12 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos, k, v):
-        B = k.shape[0]  # may be smaller than the batch the cache was sized for
-        self.k[:B].index_copy_(2, input_pos, k)
-        self.v[:B].index_copy_(2, input_pos, v)
-        return self.k[:B], self.v[:B]
+        keys, values = self.k, self.v
+        if k.shape[0] < keys.shape[0]:  # a smaller batch than the cache was sized for
+            keys, values = keys[:k.shape[0]], values[:k.shape[0]]
+        keys.index_copy_(2, input_pos, k)
+        values.index_copy_(2, input_pos, v)
+        return keys, values
 
 
 ROW_BY_ROW_MAX = 32  # longer inputs (prompt prefills) attend in one call: both decoding modes share them
@@ -184,7 +190,8 @@ class Attention(nn.Module):
         """(B, T, in_dim) -> q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), RoPE applied."""
         B, T, _ = x.shape
         H, KV = self.n_head, self.n_kv_head
-        qkv = self.qkv_proj(x).view(B, T, H + 2 * KV, self.head_dim).transpose(1, 2)  # (B, H+2KV, T, head_dim)
+        # RoPE and attention run in the RoPE table's dtype (the KV cache's: see KVCache), converted once here
+        qkv = self.qkv_proj(x).to(cos.dtype).view(B, T, H + 2 * KV, self.head_dim).transpose(1, 2)  # (B, H+2KV, T, head_dim)
         q_and_k, v = qkv.split([H + KV, KV], dim=1)
         if self.q_norm is not None:
             q_and_k = torch.cat([self.q_norm(q_and_k[:, :H]), self.k_norm(q_and_k[:, H:])], 1)
@@ -201,21 +208,26 @@ class Attention(nn.Module):
         -> (B, T, dim) in `dtype` (default q's)."""
         return self.o_proj(self.mix(q, k, v, mask).transpose(1, 2).flatten(2).to(dtype or q.dtype))
 
-    def forward(self, x, cos, sin, mask, input_pos, kv_len, tree_slots=None):
+    def forward(self, x, cos, sin, mask, input_pos, kv_len, row_keys=None, tree_slots=None):
         q, k, v = self.project(x, cos, sin)
-        cache = self.kv_cache  # (on a CPU in fp32 whatever the weights: see KVCache)
-        k, v = cache.update(input_pos, k.to(cache.k.dtype), v.to(cache.k.dtype))  # (B, kv_heads, max_seq_len, head_dim)
-        q = q.to(cache.k.dtype)
-        if self.row_by_row and 1 < q.shape[2] <= ROW_BY_ROW_MAX and mask is not None and mask.dim() == 2:
+        # (q, k and v come in the cache's dtype, on a CPU fp32 whatever the weights: see KVCache)
+        k, v = self.kv_cache.update(input_pos, k, v)  # (B, kv_heads, max_seq_len, head_dim)
+        T = q.shape[2]
+        if self.row_by_row and 1 < T <= ROW_BY_ROW_MAX and mask is not None and mask.dim() == 2:
             # a verification block: each query attends exactly as a one-token step would (the same
             # kernel on the same keys), so the block's outputs are bit for bit the one-token ones.
-            # A tree's row sees the cache before the block and its ancestors: gathered, they are
-            # the keys a one-token step along that path would see, in the same order
-            rows = [self.mix(q[:, :, t:t + 1], k[:, :, :p + 1], v[:, :, :p + 1], None) if tree_slots is None else
-                    self.mix(q[:, :, t:t + 1], k.index_select(2, tree_slots[t]), v.index_select(2, tree_slots[t]),
-                             None)
-                    for t, p in enumerate(input_pos.tolist())]  # (B, heads, 1, head_dim) each
-            return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2).to(x.dtype))
+            # Eagerly a step sees the cache up to itself (row_keys: how many slots each row sees);
+            # a compiled step sees the whole cache through its mask row (row_keys None). A tree's
+            # row sees the cache before the block and its ancestors: gathered, they are the keys a
+            # one-token step along that path would see, in the same order
+            if tree_slots is not None:
+                rows = [self.mix(q[:, :, t:t + 1], k.index_select(2, tree_slots[t]),
+                                 v.index_select(2, tree_slots[t]), None) for t in range(T)]
+            elif row_keys is not None:
+                rows = [self.mix(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], None) for t, n in enumerate(row_keys)]
+            else:
+                rows = [self.mix(q[:, :, t:t + 1], k, v, mask[t:t + 1]) for t in range(T)]
+            return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2).to(x.dtype))  # rows: (B, heads, 1, head_dim)
         # only the first kv_len cache slots can be visible; attending to the rest is wasted bandwidth
         return self.attend(q, k[:, :, :kv_len], v[:, :, :kv_len], mask, x.dtype)
 
@@ -239,8 +251,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, mask, input_pos, kv_len, tree_slots=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, kv_len, tree_slots)
+    def forward(self, x, cos, sin, mask, input_pos, kv_len, row_keys=None, tree_slots=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, kv_len, row_keys, tree_slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -269,7 +281,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_len,
                                                self.args.head_dim, cache_dtype, weight.device)
-        cos, sin = rope_table(self.args, max_seq_len, weight.device, weight.dtype)
+        cos, sin = rope_table(self.args, max_seq_len, weight.device, cache_dtype)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -284,6 +296,10 @@ class Transformer(nn.Module):
         then the cache slots it is written to, and keep_path moves the accepted path into place."""
         assert self.max_seq_len, "call setup_caches() first"
         kv_len = self.max_seq_len if self.attend_full_cache else int(input_pos[-1]) + 1
+        # how many cache slots each row of a short block sees, read once for all layers (a compiled
+        # forward cannot read tensors into Python: it attends the whole cache through its mask)
+        row_keys = [p + 1 for p in input_pos.tolist()] if 1 < len(input_pos) <= ROW_BY_ROW_MAX and \
+            not self.attend_full_cache else None
         tree_slots = None
         if tree_parents is None:
             rope_pos = input_pos
@@ -296,7 +312,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = x
-            x = layer(x, cos, sin, mask, input_pos, kv_len, tree_slots)
+            x = layer(x, cos, sin, mask, input_pos, kv_len, row_keys, tree_slots)
         hidden[self.args.n_layer] = x
         if last_logits_only:
             x = x[:, -1:]
@@ -392,6 +408,22 @@ def pack_for_cpu(model: nn.Module, batch_hint: int = 8) -> nn.Module:
         for name, child in list(module.named_children()):  # (each replaced Linear is freed at once)
             if type(child) is nn.Linear:
                 setattr(module, name, PackedLinear(child, batch_hint))
+    return model
+
+
+def unpack(model: nn.Module) -> nn.Module:
+    """Swap every PackedLinear back for an nn.Linear of its dtype (in place): torch.compile cannot
+    read oneDNN's blocked tensors, and with weight freezing it packs the weights itself."""
+    for module in [m for m in model.modules() if any(type(c) is PackedLinear for c in m.children())]:
+        for name, child in list(module.named_children()):
+            if type(child) is PackedLinear:
+                weight = dense_weight(child)
+                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=child.bias is not None,
+                                   device="meta", dtype=weight.dtype)
+                linear.weight = nn.Parameter(weight, requires_grad=False)
+                if child.bias is not None:
+                    linear.bias = nn.Parameter(child.bias, requires_grad=False)
+                setattr(module, name, linear)
     return model
 
 

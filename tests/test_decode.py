@@ -240,6 +240,18 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
     assert got["tokens"] == want["tokens"] and got["target_forwards"] == want["target_forwards"]
 
 
+def test_compiled_int4_blocks_give_the_compiled_steps_bits(smollm2_dir):
+    """decode.py --dtype int4 --compile on: a compiled block's rows carry the bits of compiled
+    one-token steps (inductor rounding to bf16 where eager code does), on the default target's
+    first two layers, where the second layer's rows parted without that."""
+    from layouts import blocks_match_steps, build_target, drafting_is_exact
+    target = build_target(smollm2_dir, "int4", "cpu", 128, n_layer=2)
+    step = compile_step(target)
+    assert all(type(m) is not M.PackedLinear for m in target.modules())  # unpacked for inductor
+    assert blocks_match_steps(target, 4, trials=1, step=step)
+    assert drafting_is_exact(target, 4, step)
+
+
 def test_auto_threads_leave_a_busy_core_alone():
     """--threads auto counts the cores nothing else uses: a busy process beside us takes one away."""
     import os

@@ -87,7 +87,7 @@ def test_where_the_fastest_layout_drafts_inexactly_the_default_decodes_plainly(s
     monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "layouts.json")
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     fake_timing(monkeypatch, {"bfloat16-packed": 0.5, "bfloat16": 1.0, "float32-packed": 2.0}, [])
-    monkeypatch.setattr(LY, "blocks_match_steps", lambda target, block, trials=3: target.layout != "bfloat16-packed")
+    monkeypatch.setattr(LY, "blocks_match_steps", lambda target, block, trials=3, step=None: target.layout != "bfloat16-packed")
     choice = LY.choose_layout(six_layers)
     if not M.packable(torch.bfloat16):
         assert choice["layout"] == "float32-packed" and choice["inexact"] == []
@@ -183,10 +183,10 @@ def test_the_probe_sees_a_block_that_parts_from_one_token_steps(tiny_dir):
 def test_a_coarse_layout_asked_for_by_name_is_checked_before_drafting(tiny_dir, monkeypatch):
     """A bf16 layout asked for by name (auto's choice carries its probe's verdict) is checked on the
     run's block size; fp32's steps are trusted."""
-    monkeypatch.setattr(LY, "blocks_match_steps", lambda target, block, trials=3: False)
+    monkeypatch.setattr(LY, "blocks_match_steps", lambda target, block, trials=3, step=None: False)
     assert not LY.drafting_is_exact(LY.build_target(tiny_dir("llama3"), "bfloat16", "cpu", 64), 8)
     assert LY.drafting_is_exact(LY.build_target(tiny_dir("llama3"), "float32", "cpu", 64), 8)
-    monkeypatch.setattr(LY, "blocks_match_steps", lambda target, block, trials=3: True)
+    monkeypatch.setattr(LY, "blocks_match_steps", lambda target, block, trials=3, step=None: True)
     assert LY.drafting_is_exact(LY.build_target(tiny_dir("llama3"), "bfloat16", "cpu", 64), 8)
 
 
@@ -220,12 +220,14 @@ def test_every_layout_auto_may_verify_in_speculates_exactly_on_the_default_targe
 def test_layout_flags(tiny_dir):
     """--dtype as load_target takes it; int4 is a candidate where the weights are 4-bit at source."""
     assert LY.target_layout(None, "cpu", False) == "auto"
-    assert LY.target_layout("auto", "cpu", True) == "float32"  # inductor packs its own
+    assert LY.target_layout("auto", "cpu", True) == "auto"  # auto's layout, unpacked by compile_step
     assert LY.target_layout("float32", "cpu", False) == "float32-packed"
+    assert LY.target_layout("float32", "cpu", True) == "float32"  # inductor packs its own
     assert LY.target_layout("float32", "cpu", False, pack=False) == "float32"
     assert LY.target_layout("int4", "cpu", False) == "int4"
-    with pytest.raises(ValueError, match="int4 runs on the CPU"):
-        LY.target_layout("int4", "cpu", True)
+    assert LY.target_layout("int4", "cpu", True) == "int4"
+    with pytest.raises(ValueError, match="int8 runs uncompiled"):
+        LY.target_layout("int8", "cpu", True)
     config = json.loads((tiny_dir("llama3") / "config.json").read_text())
     assert "source_quantization" not in config
     if M.packable(torch.bfloat16):

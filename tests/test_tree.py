@@ -282,8 +282,8 @@ def test_default_target_tree_decoding_is_its_plain_decoding(default_int4):
     # and the committed GSM8K EAGLE-3 draft's dynamic trees, with early exit pruning branches
     draft = CK.build_draft(str(FL.ROOT / "drafts" / "smollm2-135m-eagle3-gsm8k-2ep"), target, tokenizer,
                            early_exit="auto")
-    ids = tokenizer.encode_chat([{"role": "user", "content": "Tom has 3 boxes of 12 pencils and gives away 5 "
-                                  "pencils. How many pencils does he have left?"}])
+    ids = tokenizer.encode_chat([{"role": "user", "content": "A baker makes 24 muffins and sells 17. How many "
+                                  "muffins are left?"}])
     plain = generate(target, ids, max_new_tokens=48, stop_ids=tokenizer.stop_ids)
     tree = generate(target, ids, draft, Verifier("greedy"), k=7, max_new_tokens=48, stop_ids=tokenizer.stop_ids,
                     tree=7)
