@@ -384,8 +384,8 @@ def add_weights_args(ap):
     """The target's layout and compilation, as decode.py's."""
     g = ap.add_argument_group("target weights")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
-                   help="the target's weights, as decode.py's --dtype (auto: the layout timed fastest on this "
-                        "CPU for k+1-token forwards, bfloat16 on CUDA)")
+                   help="the target's weights, as decode.py's --dtype (auto: fastest one-token step here, "
+                        "bf16 on CUDA); a named one is the only layout --decode-table times")
     g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                    help="torch.compile the target's decode step as decode.py does; auto = on for CUDA only")
 
@@ -400,7 +400,7 @@ def add_table_args(ap):
     g.add_argument("--decode-table-compile", default="auto", choices=("auto", "both", "off"),
                    help="time torch.compile'd steps (CUDA graphs on CUDA, weight freezing on CPU) next to "
                         "eager ones; auto = both on CUDA, eager only on CPU (a compile per query "
-                        "length costs time there)")
+                        "length costs minutes there)")
     g.add_argument("--weights-quality", type=int, default=0, metavar="N",
                    help="compare the int8, bf16 and int4 targets with fp32 on N held-out GSM8K texts: top-1 "
                         "agreement and perplexity (CPU)")
@@ -559,7 +559,8 @@ def main(argv=None):
         paired = paired_runs(args.paired, records)
         args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
     target = None  # the decode table and the quality check want the memory
-    layouts = cpu_layouts() if args.device == "cpu" else ["bfloat16"]
+    layouts = ([target_layout(args.dtype, args.device, False)] if args.dtype not in (None, "auto") else
+               cpu_layouts() if args.device == "cpu" else ["bfloat16"])  # (--dtype names the one to time)
     # blocks of 4-8 tokens verify chains; of 16 and 32, trees of 15 and 31 drafted tokens
     table = decode_speed_table(args.decode_table, args.device, layouts, args.decode_table_compile,
                                verify_k=sorted({3, 5, 7, 15, 31, args.num_draft_tokens})) if args.decode_table else []

@@ -100,11 +100,12 @@ def cpu_layouts() -> list:
 
 def decode_speed_table(names, device: str, layouts, compile_modes=(False, True), verify_k=(3, 5, 7),
                        context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30):
-    """Per shape and weight layout: one decode step (eager, and compiled for the unpacked fp32 (CPU)
-    or bf16 (CUDA) layout when asked), against the bandwidth floor of the bytes that step reads, and
-    what verifying k+1 tokens costs against it."""
+    """Per shape and weight layout: one decode step (eager, and compiled for the fp32 and int4 (CPU)
+    or bf16 (CUDA) layouts when asked), against the bandwidth floor of the bytes that step reads, and
+    what verifying k+1 tokens costs against it (compiled: chains of up to 8 tokens only, as trees
+    run eager and each block length is a compile)."""
     bandwidth = copy_bandwidth(device, copy_bytes)
-    compilable = "bfloat16" if device.startswith("cuda") else "float32"
+    compilable = ("bfloat16",) if device.startswith("cuda") else ("float32", "int4")
     rows = []
     for name in tqdm(names, desc="decode-speed table", file=sys.stderr):
         for layout in layouts:
@@ -115,13 +116,13 @@ def decode_speed_table(names, device: str, layouts, compile_modes=(False, True),
             step_bytes = bytes_read_per_step(net)
             tokens = torch.randint(0, net.args.vocab_size, (1, context + max(verify_k) + 1), device=device)
 
-            def measure(step, compile_mode):
+            def measure(step, compile_mode, ks):
                 def forward(n):  # n query tokens at the end of the context (a rewrite of the same slots)
                     pos = torch.arange(context, context + n, device=device)
                     return lambda: step(tokens[:, context:context + n], pos)
                 t0 = time.perf_counter()
                 one = seconds_per_call(forward(1), device, reps)
-                verify = {k + 1: seconds_per_call(forward(k + 1), device, reps) / one for k in verify_k}
+                verify = {k + 1: seconds_per_call(forward(k + 1), device, reps) / one for k in ks}
                 rows.append({"target": name, "compiled": compile_mode is not None, "compile_mode": compile_mode,
                              "layout": layout, "params_b": params_b, "weight_gb_per_step": step_bytes / 1e9,
                              "bandwidth_gb_s": bandwidth / 1e9, "floor_ms": 1e3 * step_bytes / bandwidth,
@@ -132,12 +133,12 @@ def decode_speed_table(names, device: str, layouts, compile_modes=(False, True),
             with torch.no_grad():
                 net(tokens[:, :context], torch.arange(context, device=device))  # fill the cache once
                 if False in compile_modes:
-                    measure(net, None)
-                if True in compile_modes and layout == compilable:
+                    measure(net, None, verify_k)
+                if True in compile_modes and layout in compilable:
                     net.attend_full_cache = True  # static shapes: one graph per query length
                     cuda = device.startswith("cuda")  # CUDA graphs remove the per-kernel launch cost there
                     measure(compile_step(net, "reduce-overhead" if cuda else "default"),
-                            "reduce-overhead" if cuda else "freezing")
+                            "reduce-overhead" if cuda else "freezing", [k for k in verify_k if k <= 7])
             del net
             torch._dynamo.reset()  # drop the compiled graphs before the next layout
             if device.startswith("cuda"):
