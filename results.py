@@ -19,14 +19,17 @@ from layouts import cpu_description
 
 def machine_stamp(device: str) -> dict:
     """What a result was measured on: which CPU (model and the features that decide the fastest
-    weight layout), how many cores and threads, which torch and which commit, and when."""
+    weight layout), how many cores and threads, which torch and which commit, and when.
+    uncommitted_changes: whether the code differs from that commit (results and the README table,
+    which runs write, do not count)."""
     git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()  # noqa: E731
     return {**cpu_description(),
             "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": device,
             "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
             "torch": torch.__version__, "python": platform.python_version(),
             "commit": git("rev-parse", "--short", "HEAD") or "unknown",
-            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                            ":!docs", ":!README.md")),
             "date": time.strftime("%Y-%m-%d")}
 
 
