@@ -40,7 +40,7 @@ from machine import (compile_step, default_device, machine_problem, peak_memory_
                      reset_peak_memory, wants_compile)
 from peers import hf_peer, llama_cpp_peer
 from prompts import load_prompts
-from results import figures_beside, machine_stamp, shown, unwritable, write_results
+from results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
 from stats import paired_ratio, quartiles, reliability
 from step_table import (SHAPES, cpu_layouts, decode_speed_table, print_auto_choice, step_profile,
                         weights_quality)
@@ -258,6 +258,18 @@ def summarize(records: dict, temperatures: dict, calibrations: dict | None = Non
     return summary
 
 
+def records_for_file(records: dict, temperatures: dict) -> dict:
+    """The per-prompt records as a results file keeps them: where a run's tokens are its baseline's
+    on that prompt (an exact run at T = 0), the record says so instead of repeating them."""
+    out = {}
+    for name, rs in records.items():
+        base = records.get(f"baseline T={temperatures[name]:g}")
+        out[name] = rs if base is None or base is rs else [
+            {**{k: v for k, v in r.items() if k != "tokens"}, "tokens_as_baseline": True}
+            if "tokens" in r and r["tokens"] == b.get("tokens") else r for r, b in zip(rs, base)]
+    return out
+
+
 def paired_runs(paired: list, records: dict) -> dict:
     """Each pair [A, B] of drafts: A's runs against B's, verifier by verifier and temperature by
     temperature (a run is named '<draft label> <verifier> T=<t>')."""
@@ -295,7 +307,7 @@ def plots(summary, out_dir: Path, stem: str) -> list:
         ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(out_dir / f"{stem}-tau-per-task.png")
-        fig.savefig(written[-1], dpi=120)
+        save_figure(fig, written[-1])
         # acceptance rate by draft position
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, s in drafts.items():
@@ -307,7 +319,7 @@ def plots(summary, out_dir: Path, stem: str) -> list:
         ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(out_dir / f"{stem}-acceptance-by-position.png")
-        fig.savefig(written[-1], dpi=120)
+        save_figure(fig, written[-1])
     heads = {n: s["head_calibration"] for n, s in summary.items() if s.get("head_calibration", {}).get("bins")}
     if heads:  # reliability: the head's predicted probability against the share of those tokens kept
         fig, ax = plt.subplots(figsize=(5, 5))
@@ -320,7 +332,7 @@ def plots(summary, out_dir: Path, stem: str) -> list:
         ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(out_dir / f"{stem}-head-calibration.png")
-        fig.savefig(written[-1], dpi=120)
+        save_figure(fig, written[-1])
     plt.close("all")
     return written
 
@@ -578,7 +590,7 @@ def main(argv=None):
         "speed": summary, "paired": paired, "decode_table": table, "auto_choice": auto,
         "weights_quality": quality, "step_profile": profiled,
         "plots": [shown(p) for p in images],
-        "runs": records,  # every run on every prompt, its tokens included
+        "runs": records_for_file(records, temperatures) if records else {},  # every run on every prompt
     }
     out = write_results(out, result)
     speedups = {n: s["speedup_median"] for n, s in summary.items()

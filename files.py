@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parent  # the repository: data/, drafts/, docs/ 
 DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
 
 
-def write_atomically(path: Path, text: str):
-    """Write text under a temporary name, then rename it to `path`."""
+def write_atomically(path: Path, data: str | bytes):
+    """Write text (or bytes) under a temporary name, then rename it to `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text)
+        tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -2,7 +2,9 @@
 Results files: every number the project reports is written with the machine it was measured on
 (CPU model and features, cores, threads, torch, commit, date), whole, and with no machine's paths.
 """
+import io
 import json
+import math
 import os
 import platform
 import subprocess
@@ -46,10 +48,44 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
+SIGNIFICANT_DIGITS = 5  # a timing varies by a percent or more from run to run: more digits are noise
+
+
+def rounded(value, digits: int = SIGNIFICANT_DIGITS):
+    """value with every float in it rounded to `digits` significant digits."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
+def results_text(result: dict) -> str:
+    """JSON a reader can scan and a repository can hold: a list or dict that holds only numbers and
+    strings (token ids, a learning curve, one prompt's record) or is short stays on one line; the
+    others put each item on its own line."""
+    return layout(rounded(result), 0) + "\n"
+
+
+def layout(value, level: int) -> str:
+    one_line = json.dumps(value, default=str, separators=(",", ": "))
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    if items is None or len(one_line) <= 100 or not any(isinstance(v, (dict, list)) for v in items):
+        return one_line
+    pad = " " * (level + 1)
+    if isinstance(value, dict):  # (keys as JSON writes them: strings, others as their JSON text)
+        lines = [f"{pad}{json.dumps(k if isinstance(k, str) else json.dumps(k))}: {layout(v, level + 1)}"
+                 for k, v in value.items()]
+        return "{\n" + ",\n".join(lines) + "\n" + " " * level + "}"
+    return "[\n" + ",\n".join(pad + layout(v, level + 1) for v in value) + "\n" + " " * level + "]"
+
+
 def write_results(out: Path, result: dict) -> Path:
     """Write the results atomically; if that fails now (disk full, folder gone), keep them in the
     temporary directory and say where, rather than lose hours of measurements."""
-    text = json.dumps(result, indent=1, default=str)
+    text = results_text(result)
     try:
         write_atomically(out, text)
         return out
@@ -68,6 +104,20 @@ def shown(value):
     if isinstance(value, list):
         return [shown(v) for v in value]
     return value
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> Path:
+    """A matplotlib figure as a PNG of 64 colours, written atomically: bars, lines and text need no
+    more, and the file is a quarter the size (docs/ holds dozens)."""
+    from PIL import Image  # (matplotlib's own dependency)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    buffer.seek(0)
+    image = Image.open(buffer).convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT)
+    packed = io.BytesIO()
+    image.save(packed, format="PNG", optimize=True)
+    write_atomically(path, packed.getvalue())
+    return path
 
 
 def figures_beside(draw, summary: dict, out: Path) -> list:

@@ -463,7 +463,8 @@ CURVE_FIELDS = ("step", "loss", "sim_tau", "head_acc", "weighting_changes", "rea
 
 def learning_curves(run_dirs: list) -> dict:
     """Each run's log, cut to what a learning curve needs, with the draft kind and objective its last
-    checkpoint records. Real tau is in the steps that evaluated it (--eval-every)."""
+    checkpoint records: the curve as columns, {field: [its value at each logged step]}. Real tau is
+    in the steps that evaluated it (--eval-every), None in the others."""
     runs = {}
     for folder in map(Path, run_dirs):
         log = read_log(folder / "log.jsonl")
@@ -476,7 +477,7 @@ def learning_curves(run_dirs: list) -> dict:
         if trained.get("objective") == "baseline":  # checkpoints once recorded every part for it
             trained = {**trained, "vat_parts": []}
         runs[folder.name] = {"draft": draft_kind(config), **trained,
-                             "curve": [{k: s[k] for k in CURVE_FIELDS if k in s} for s in log]}
+                             "curve": {k: [s.get(k) for s in log] for k in CURVE_FIELDS if any(k in s for s in log)}}
     return runs
 
 
@@ -486,9 +487,10 @@ def write_learning_curves(out: Path, run_dirs: list, argv=None):
     runs = learning_curves(run_dirs)
     write_results(out, {"command": command, "machine": machine_stamp("cpu"), "runs": runs})
     for name, run in runs.items():
-        evaluated = [s for s in run["curve"] if "real_tau" in s]
-        print(f"{name}: {run['draft']} {run['objective']}, {run['curve'][-1]['step']} steps, real tau "
-              + " ".join(f"{s['real_tau']:.2f}@{s['step']}" for s in evaluated))
+        curve = run["curve"]
+        evaluated = [(tau, step) for tau, step in zip(curve.get("real_tau", []), curve["step"]) if tau is not None]
+        print(f"{name}: {run['draft']} {run['objective']}, {curve['step'][-1]} steps, real tau "
+              + " ".join(f"{tau:.2f}@{step}" for tau, step in evaluated))
 
 
 def export_draft(checkpoint: Path, out: Path, target_name: str, early_exit_threshold: float | None):

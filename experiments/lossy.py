@@ -51,7 +51,7 @@ from decode import generate
 from files import ROOT, repo_path
 from layouts import experiment_layout, load_target
 from machine import default_device, machine_problem, pick_threads
-from results import figures_beside, machine_stamp, shown, unwritable, write_results
+from results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
 from stats import paired_difference, problems_for_power, rank_correlation, wilson
 from verify import Verifier, induced, own_distribution
 from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
@@ -334,7 +334,7 @@ def plots(summary: dict, out_dir: Path, stem: str) -> list:
             fig = draw(plt, summary, levels, pooled, families)
             fig.tight_layout()
             written.append(out_dir / f"{stem}-{name}.png")
-            fig.savefig(written[-1], dpi=120)
+            save_figure(fig, written[-1])
     plt.close("all")
     return written
 

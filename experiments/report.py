@@ -36,7 +36,7 @@ from files import DATA, ROOT, read_json_object, repo_relative, write_atomically
 from layouts import CPU_FEATURES, load_target
 from machine import machine_problem, pick_threads
 from prompts import load_prompts
-from results import machine_stamp, unwritable, write_results
+from results import machine_stamp, save_figure, unwritable, write_results
 from weights import DEFAULT_TARGET, resolve_model
 
 RESULTS = ROOT / "docs" / "results.json"
@@ -113,9 +113,10 @@ def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> tuple:
         records = bench.interleave(runs, prompts, k, max_new_tokens, tokenizer.stop_ids, generator, "cpu",
                                    warmup=1, desc=f"{task} (prompts)")
         labels = {run.name: run.name.replace("baseline", table[0][0]) for run in runs}
+        temperatures = {run.name: run.temperature for run in runs}
         out[task] = {"prompts": len(prompts), "labels": labels, "layouts": layouts,
-                     "summary": bench.summarize(records, {run.name: run.temperature for run in runs}),
-                     "seconds": time.perf_counter() - t0, "runs": records}
+                     "summary": bench.summarize(records, temperatures),
+                     "seconds": time.perf_counter() - t0, "runs": bench.records_for_file(records, temperatures)}
     return out, targets["auto"].choice
 
 
@@ -206,10 +207,8 @@ def draw(results: dict, path: Path) -> Path:
     m = results["machine"]
     fig.suptitle(f"{m['cpu']}, {m['threads']} threads, torch {m['torch']}, commit {m['commit']}", fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 

@@ -204,13 +204,14 @@ def test_quick_run_is_consistent_and_resumes(tmp_path, capsys):
         mine = [p for p in records if level in ("all", p["level"])]
         for label, s in rows.items():
             runs = [p["runs"][label] for p in mine]
-            assert s["accuracy"] == sum(x["correct"] for x in runs) / len(runs)
+            close = dict(rel=3e-4, abs=1e-12)  # (a results file keeps five significant digits)
+            assert s["accuracy"] == pytest.approx(sum(x["correct"] for x in runs) / len(runs), **close)
             tokens = sum(x["new_tokens"] for x in runs)
-            assert s["block_efficiency"] == pytest.approx(tokens / sum(x["target_forwards"] for x in runs))
+            assert s["block_efficiency"] == pytest.approx(tokens / sum(x["target_forwards"] for x in runs), **close)
             if label.endswith(lossy.TREE_SUFFIX):  # no closed form for a tree's distortion
                 assert s["tv"] is None
             else:
-                assert s["tv"] == pytest.approx(sum(x["tv_sum"] for x in runs) / tokens)
+                assert s["tv"] == pytest.approx(sum(x["tv_sum"] for x in runs) / tokens, **close)
             assert all(0 < x["new_tokens"] <= 8 for x in runs)
     pooled = summary["all"]
     assert list(pooled) == configs.split(",") + ["lossless tree", "overshoot lam=0.5 c=2 tree"]
@@ -222,10 +223,11 @@ def test_quick_run_is_consistent_and_resumes(tmp_path, capsys):
         s = pooled[label]
         assert s["family"] == pooled[chain]["family"]
         assert s["vs_chain"]["block_efficiency_ratio"] == pytest.approx(
-            s["block_efficiency"] / pooled[chain]["block_efficiency"])
+            s["block_efficiency"] / pooled[chain]["block_efficiency"], rel=3e-4)
         assert all(p["runs"][label]["target_forwards"] > 0 for p in records)
     assert "draft trees of 6 tokens against their chains" in r.stdout
-    assert json.loads(r.stdout.strip().splitlines()[-1])["tv"] == {lb: s["tv"] for lb, s in pooled.items()}
+    assert json.loads(r.stdout.strip().splitlines()[-1])["tv"] == pytest.approx(
+        {lb: s["tv"] for lb, s in pooled.items()}, rel=3e-4, abs=1e-12)
     assert all(Path(p).is_file() for p in result["plots"])
 
     # the rerun and the refusal in this process: neither loads the target
