@@ -259,15 +259,32 @@ def summarize(records: dict, temperatures: dict, calibrations: dict | None = Non
 
 
 def records_for_file(records: dict, temperatures: dict) -> dict:
-    """The per-prompt records as a results file keeps them: where a run's tokens are its baseline's
-    on that prompt (an exact run at T = 0), the record says so instead of repeating them."""
+    """The per-prompt records as a results file keeps them: per run, a column per field ({field:
+    [its value on each prompt]}), and where a run's tokens are its baseline's on a prompt (an exact
+    run at T = 0) tokens_as_baseline says so and tokens holds null there, not a repeat."""
     out = {}
     for name, rs in records.items():
         base = records.get(f"baseline T={temperatures[name]:g}")
-        out[name] = rs if base is None or base is rs else [
-            {**{k: v for k, v in r.items() if k != "tokens"}, "tokens_as_baseline": True}
-            if "tokens" in r and r["tokens"] == b.get("tokens") else r for r, b in zip(rs, base)]
+        same = [base is not None and base is not rs and "tokens" in r and r["tokens"] == b.get("tokens")
+                for r, b in zip(rs, base or [{}] * len(rs))]
+        if any(same):
+            rs = [{**r, "tokens": None, "tokens_as_baseline": s} if s else {**r, "tokens_as_baseline": False}
+                  for r, s in zip(rs, same)]
+        fields = list(dict.fromkeys(k for r in rs for k in r))
+        out[name] = {k: [r.get(k) for r in rs] for k in fields}
     return out
+
+
+def records_from_file(runs: dict) -> dict:
+    """A results file's runs back as records_for_file's input: {run: [one dict per prompt]}, the
+    baseline's tokens filled in where a run's were its baseline's."""
+    records = {name: [dict(zip(columns, row)) for row in zip(*columns.values())] for name, columns in runs.items()}
+    for name, rs in records.items():
+        base = records.get("baseline T=" + name.rsplit("T=", 1)[-1], [])
+        for r, b in zip(rs, base):
+            if r.get("tokens_as_baseline"):
+                r["tokens"] = b["tokens"]
+    return records
 
 
 def paired_runs(paired: list, records: dict) -> dict:

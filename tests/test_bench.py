@@ -27,7 +27,8 @@ def test_quick_run_is_consistent(tmp_path):
     headline = json.loads(r.stdout.strip().splitlines()[-1])
     result = json.loads(out.read_text())
     assert headline["results"] == str(out)
-    speed, runs = result["speed"], result["runs"]
+    speed, runs = result["speed"], bench.records_from_file(result["runs"])
+    columns = result["runs"]["lookup greedy T=0"]  # as the file keeps it: a column per field
     # at T=0 lossless keeps what greedy keeps, so it is left out when greedy runs
     assert set(speed) == {"baseline T=0", "lookup greedy T=0", "baseline T=1", "lookup lossless T=1"}
     for name, s in speed.items():
@@ -49,10 +50,11 @@ def test_quick_run_is_consistent(tmp_path):
     assert speed["baseline T=0"]["tau"] == 1.0
     # greedy speculative decoding changes nothing but speed: the same tokens as the baseline, which
     # the file records once
-    assert all(r["tokens_as_baseline"] and "tokens" not in r for r in runs["lookup greedy T=0"])
+    assert columns["tokens_as_baseline"] == [True, True] and columns["tokens"] == [None, None]
+    assert [r["tokens"] for r in runs["lookup greedy T=0"]] == [r["tokens"] for r in runs["baseline T=0"]]
     assert speed["lookup greedy T=0"]["prompts_with_the_baseline_tokens"] == 2
     assert result["config"]["layout"] == "float32-packed" and result["config"]["layout_choice"] == {}
-    assert all(len(r["tokens"]) == r["new_tokens"] > 0 for rs in runs.values() for r in rs if "tokens" in r)
+    assert all(len(r["tokens"]) == r["new_tokens"] > 0 for rs in runs.values() for r in rs)
     assert all(Path(p).is_file() for p in result["plots"])
     machine = result["machine"]  # what it was measured on
     assert machine["torch"] == torch.__version__ and set(machine["cpu_features"]) <= set(CPU_FEATURES)
@@ -233,13 +235,16 @@ def test_the_decode_table_shows_autos_choice_and_what_a_block_costs(capsys):
 
 def test_a_results_file_records_tokens_equal_to_the_baselines_once():
     """A run's record keeps its tokens where they part from its baseline's on that prompt, and says
-    it matched where they do not; the baseline keeps its own."""
-    from bench import records_for_file
+    it matched where they do not; the baseline keeps its own; columns read back as the records."""
+    from bench import records_for_file, records_from_file
     base = [{"tokens": [1, 2, 3], "seconds": 1.0}, {"tokens": [4, 5], "seconds": 1.0}]
     ours = [{"tokens": [1, 2, 3], "seconds": 0.5}, {"tokens": [4, 6], "seconds": 0.5}]
     sampled = [{"tokens": [1, 2, 3], "seconds": 0.5}]
-    out = records_for_file({"baseline T=0": base, "lookup greedy T=0": ours, "lookup lossless T=1": sampled},
-                           {"baseline T=0": 0, "lookup greedy T=0": 0, "lookup lossless T=1": 1})
-    assert out["baseline T=0"] == base
-    assert out["lookup greedy T=0"] == [{"seconds": 0.5, "tokens_as_baseline": True}, ours[1]]
-    assert out["lookup lossless T=1"] == sampled  # no baseline at T = 1 in this file: kept whole
+    records = {"baseline T=0": base, "lookup greedy T=0": ours, "lookup lossless T=1": sampled}
+    out = records_for_file(records, {"baseline T=0": 0, "lookup greedy T=0": 0, "lookup lossless T=1": 1})
+    assert out["baseline T=0"] == {"tokens": [[1, 2, 3], [4, 5]], "seconds": [1.0, 1.0]}
+    assert out["lookup greedy T=0"] == {"tokens": [None, [4, 6]], "seconds": [0.5, 0.5],
+                                        "tokens_as_baseline": [True, False]}
+    assert out["lookup lossless T=1"] == {"tokens": [[1, 2, 3]], "seconds": [0.5]}  # no baseline at T = 1 here
+    back = records_from_file(json.loads(json.dumps(out)))
+    assert [r["tokens"] for r in back["lookup greedy T=0"]] == [[1, 2, 3], [4, 6]] and back["baseline T=0"] == base

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+import bench
 import report
 from files import ROOT
 
@@ -18,10 +19,11 @@ def test_readme_shows_what_the_results_file_renders_to():
     assert not machine["uncommitted_changes"], "measure a committed tree, so that the commit names the code"
     # every run of a task measured every prompt, and the baselines are plain decoding, not greedy at T > 0
     for task in results["tasks"].values():
-        for name, rs in task["runs"].items():
+        runs = bench.records_from_file(task["runs"])
+        for name, rs in runs.items():
             assert len(rs) == task["prompts"], name
-        sampled = task["runs"]["baseline T=1"]
-        assert len({tuple(r["tokens"]) for r in sampled} | {tuple(r["tokens"]) for r in task["runs"]["baseline T=0"]}) \
+        sampled = runs["baseline T=1"]
+        assert len({tuple(r["tokens"]) for r in sampled} | {tuple(r["tokens"]) for r in runs["baseline T=0"]}) \
             > len(sampled), "plain decoding at T = 1 gave greedy decoding's tokens"
 
 
