@@ -460,6 +460,9 @@ def main(argv=None):
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     print(f"[{layout_reason(target)}]", file=sys.stderr)
     step_fn = compile_step(target) if compiled else target
+    if compiled:
+        print("note: --compile on compiles the step for each block length the run meets, when it first meets "
+              "it (on a CPU minutes each the first time, then cached on disk)", file=sys.stderr)
     draft = run_draft(args, target, tokenizer, generator, step_fn if compiled else None)
     args.layout = target.layout
 
