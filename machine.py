@@ -63,6 +63,22 @@ def wants_compile(flag: str, device: str) -> bool:
     return flag == "on" or (flag == "auto" and device.startswith("cuda"))
 
 
+def unpack(model: torch.nn.Module) -> torch.nn.Module:
+    """Swap every PackedLinear back for an nn.Linear of its dtype (in place): torch.compile cannot
+    read oneDNN's blocked tensors, and with weight freezing it packs the weights itself."""
+    for module in [m for m in model.modules() if any(type(c) is M.PackedLinear for c in m.children())]:
+        for name, child in list(module.named_children()):
+            if type(child) is M.PackedLinear:
+                weight = M.dense_weight(child)
+                linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=child.bias is not None,
+                                         device="meta", dtype=weight.dtype)
+                linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+                if child.bias is not None:
+                    linear.bias = torch.nn.Parameter(child.bias, requires_grad=False)
+                setattr(module, name, linear)
+    return model
+
+
 def compile_step(target, mode: str = "default"):
     """torch.compile the target's forward. It then attends the whole cache, so each block length is
     one static graph. On a CPU inductor freezes the weights (folds them into the graph as constants,
@@ -74,7 +90,7 @@ def compile_step(target, mode: str = "default"):
     graphs."""
     target.attend_full_cache = True
     if target.embed_tokens.weight.device.type == "cpu":
-        M.unpack(target)
+        unpack(target)
         return torch.compile(target, dynamic=False, options={"freezing": True, "cpp_wrapper": True,
                                                              "emulate_precision_casts": True})
     return torch.compile(target, dynamic=False, mode=mode)

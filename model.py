@@ -215,11 +215,10 @@ class Attention(nn.Module):
         T = q.shape[2]
         if self.row_by_row and 1 < T <= ROW_BY_ROW_MAX and mask is not None and mask.dim() == 2:
             # a verification block: each query attends exactly as a one-token step would (the same
-            # kernel on the same keys), so the block's outputs are bit for bit the one-token ones.
-            # Eagerly a step sees the cache up to itself (row_keys: how many slots each row sees);
-            # a compiled step sees the whole cache through its mask row (row_keys None). A tree's
-            # row sees the cache before the block and its ancestors: gathered, they are the keys a
-            # one-token step along that path would see, in the same order
+            # kernel on the same keys), so the block's outputs are bit for bit the one-token ones:
+            # eagerly the cache up to itself (row_keys), compiled the whole cache through its mask
+            # row. A tree's row sees the cache before the block and its ancestors: gathered, the
+            # keys a one-token step along that path would see, in the same order
             if tree_slots is not None:
                 rows = [self.mix(q[:, :, t:t + 1], k.index_select(2, tree_slots[t]),
                                  v.index_select(2, tree_slots[t]), None) for t in range(T)]
@@ -296,8 +295,7 @@ class Transformer(nn.Module):
         then the cache slots it is written to, and keep_path moves the accepted path into place."""
         assert self.max_seq_len, "call setup_caches() first"
         kv_len = self.max_seq_len if self.attend_full_cache else int(input_pos[-1]) + 1
-        # how many cache slots each row of a short block sees, read once for all layers (a compiled
-        # forward cannot read tensors into Python: it attends the whole cache through its mask)
+        # how many slots each row of a short block sees, read once (compiled: the whole cache, masked)
         row_keys = [p + 1 for p in input_pos.tolist()] if 1 < len(input_pos) <= ROW_BY_ROW_MAX and \
             not self.attend_full_cache else None
         tree_slots = None
@@ -317,7 +315,6 @@ class Transformer(nn.Module):
         if last_logits_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)), [hidden[i] for i in hidden_layers]
-
 
     def keep_path(self, path_slots: list, first_slot: int):
         """After a tree's verification: move the keys and values of the accepted nodes (at
@@ -408,22 +405,6 @@ def pack_for_cpu(model: nn.Module, batch_hint: int = 8) -> nn.Module:
         for name, child in list(module.named_children()):  # (each replaced Linear is freed at once)
             if type(child) is nn.Linear:
                 setattr(module, name, PackedLinear(child, batch_hint))
-    return model
-
-
-def unpack(model: nn.Module) -> nn.Module:
-    """Swap every PackedLinear back for an nn.Linear of its dtype (in place): torch.compile cannot
-    read oneDNN's blocked tensors, and with weight freezing it packs the weights itself."""
-    for module in [m for m in model.modules() if any(type(c) is PackedLinear for c in m.children())]:
-        for name, child in list(module.named_children()):
-            if type(child) is PackedLinear:
-                weight = dense_weight(child)
-                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=child.bias is not None,
-                                   device="meta", dtype=weight.dtype)
-                linear.weight = nn.Parameter(weight, requires_grad=False)
-                if child.bias is not None:
-                    linear.bias = nn.Parameter(child.bias, requires_grad=False)
-                setattr(module, name, linear)
     return model
 
 
