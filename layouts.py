@@ -16,8 +16,9 @@ step's speed is what it can never fall below. The same probe then times blocks o
 the chosen layout: the table AdaptiveDraft weighs a block's cost against its expected tokens with.
 
 Decisions are kept in LAYOUT_CACHE, whole (written atomically) and only when nothing else kept a
-core busy while they were timed.
+core busy while they were timed, keyed by model.py's digest too: new step code is timed anew.
 """
+import hashlib
 import json
 import math
 import os
@@ -230,9 +231,12 @@ def inexact_blocks(probe: M.Transformer) -> list:
 # The decision, made once per machine and model, and kept
 
 def cache_key(path: Path, what: str) -> str:
+    """What a kept decision holds for: the CPU, torch, threads, the model, and the step's code
+    (model.py's digest: a decision timed on other code is timed again)."""
     cpu = cpu_description()
+    step_code = hashlib.sha1(Path(M.__file__).read_bytes()).hexdigest()[:10]
     return " | ".join([cpu["cpu"], ",".join(cpu["cpu_features"]), f"torch {torch.__version__}",
-                       f"{torch.get_num_threads()} threads", str(Path(path).resolve()), what])
+                       f"{torch.get_num_threads()} threads", str(Path(path).resolve()), what, f"model.py {step_code}"])
 
 
 def read_cache() -> dict:
