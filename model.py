@@ -111,14 +111,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # x / sqrt(mean(x^2) + eps), normalized in fp32 and cast back before the weight, as HF,
-        # EAGLE and DFlash do, so bf16 runs round where theirs round (both casts are no-ops for
-        # fp32 inputs). Written with vector_norm: one token's step makes sixty of these, and on a
-        # CPU torch's rms_norm runs as seven small ops where this is four
-        x32 = x.float()
-        norm = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)  # (..., 1)
-        inv_rms = torch.rsqrt(norm.square() / x.shape[-1] + self.eps)  # (out of place: training differentiates it)
-        return self.weight * (x32 * inv_rms).to(x.dtype)
+        # normalize in fp32 and cast back before the weight, as HF, EAGLE and DFlash do, so bf16
+        # runs round where theirs round (both casts are no-ops for fp32 inputs)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
