@@ -184,8 +184,9 @@ def encode_prompts(args, tokenizer) -> list:
     return [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
 
 
-def speed_runs(args, target, tokenizer, generator):
-    """Every draft x verifier x temperature and the baseline, interleaved prompt by prompt.
+def speed_runs(args, target, tokenizer, generator, encoded: list):
+    """Every draft x verifier x temperature and the baseline on the encoded prompts ([(category,
+    ids)]), interleaved prompt by prompt.
     Returns {run name: [one result per prompt]} and {run name: temperature}."""
     runs = []
     for temperature in args.temperatures:
@@ -203,7 +204,6 @@ def speed_runs(args, target, tokenizer, generator):
                                 Verifier(name), tree=parse_spec(spec)[2]))
         if args.peers:
             runs += peer_runs(args.target, temperature, args.num_draft_tokens)
-    encoded = encode_prompts(args, tokenizer)
     records = interleave(runs, encoded, args.num_draft_tokens, args.max_new_tokens, tokenizer.stop_ids,
                          generator, args.device, args.warmup, args.step_fn)
     calibrations = {run.name: reliability(run.draft.calibration) for run in runs
@@ -265,8 +265,8 @@ def records_for_file(records: dict, temperatures: dict) -> dict:
     out = {}
     for name, rs in records.items():
         base = records.get(f"baseline T={temperatures[name]:g}")
-        same = [base is not None and base is not rs and "tokens" in r and r["tokens"] == b.get("tokens")
-                for r, b in zip(rs, base or [{}] * len(rs))]
+        same = [] if base is None or base is rs else \
+            [r.get("tokens") is not None and r.get("tokens") == b.get("tokens") for r, b in zip(rs, base)]
         if any(same):
             rs = [{**r, "tokens": None, "tokens_as_baseline": s} if s else {**r, "tokens_as_baseline": False}
                   for r, s in zip(rs, same)]
@@ -577,13 +577,14 @@ def main(argv=None):
     if args.profile_step:
         profiled = step_profile(target, blocks=(1, args.num_draft_tokens + 1))
     if not args.speed_off:
+        encoded = encode_prompts(args, tokenizer)
         if args.compile:  # a compiled step attends its whole cache: size it to what the prompts reach
-            reach = max(len(ids) for _, ids in encode_prompts(args, tokenizer)) + args.max_new_tokens + \
+            reach = max(len(ids) for _, ids in encoded) + args.max_new_tokens + \
                 max(args.num_draft_tokens, max((parse_spec(d)[2] for d in args.drafts), default=0)) + 1
             target.setup_caches(1, min(reach, target.max_seq_len))
         args.step_fn = compile_step(target) if args.compile else None
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        records, temperatures, calibrations = speed_runs(args, target, tokenizer, generator)
+        records, temperatures, calibrations = speed_runs(args, target, tokenizer, generator, encoded)
         summary = summarize(records, temperatures, calibrations)
         paired = paired_runs(args.paired, records)
         args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory

@@ -113,7 +113,7 @@ def machine_problem(device: str, threads: str, dtype: str | None, compiled: bool
     if dtype in ("int8", "int4") and device != "cpu":
         return f"--dtype {dtype} runs on the CPU; use bfloat16 on a GPU"
     if dtype == "int8" and compiled:
-        return "--dtype int8 runs uncompiled (its blocks are checked exact only eagerly); use int4 or --compile off"
+        return "--dtype int8 runs uncompiled (only int4's compiled blocks are tested exact); use int4 or --compile off"
 
     return None
 

@@ -66,20 +66,20 @@ def results_text(result: dict) -> str:
     """JSON a reader can scan and a repository can hold: a list or dict that holds only numbers and
     strings (token ids, a learning curve, one prompt's record) or is short stays on one line; the
     others put each item on its own line."""
-    return layout(rounded(result), 0) + "\n"
+    return json_layout(rounded(result), 0) + "\n"
 
 
-def layout(value, level: int) -> str:
+def json_layout(value, level: int) -> str:
     one_line = json.dumps(value, default=str, separators=(",", ": "))
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
     if items is None or len(one_line) <= 100 or not any(isinstance(v, (dict, list)) for v in items):
         return one_line
     pad = " " * (level + 1)
     if isinstance(value, dict):  # (keys as JSON writes them: strings, others as their JSON text)
-        lines = [f"{pad}{json.dumps(k if isinstance(k, str) else json.dumps(k))}: {layout(v, level + 1)}"
+        lines = [f"{pad}{json.dumps(k if isinstance(k, str) else json.dumps(k))}: {json_layout(v, level + 1)}"
                  for k, v in value.items()]
         return "{\n" + ",\n".join(lines) + "\n" + " " * level + "}"
-    return "[\n" + ",\n".join(pad + layout(v, level + 1) for v in value) + "\n" + " " * level + "]"
+    return "[\n" + ",\n".join(pad + json_layout(v, level + 1) for v in value) + "\n" + " " * level + "]"
 
 
 def write_results(out: Path, result: dict) -> Path:
