@@ -112,8 +112,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # normalize in fp32 and cast back before the weight, as HF, EAGLE and DFlash do, so bf16
-        # runs round where theirs round (both casts are no-ops for fp32 inputs)
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        # runs round where theirs round. Written out, it is the same arithmetic as torch's rms_norm
+        # (bit for bit) in fewer calls, and an fp32 input skips the two casts: a decoding step is
+        # small enough on a CPU that the cost of each call counts
+        x32 = x if x.dtype == torch.float32 else x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * (normed if x.dtype == torch.float32 else normed.to(x.dtype))
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -350,13 +354,13 @@ def attention_mask(input_pos, kv_len: int, key_valid=None, full_cache: bool = Fa
     """Which cache slots each query sees: (T, kv_len) bool, (B, 1, T, kv_len) with key_valid, or
     None. Causal over absolute positions, which is also what hides the stale entries past a
     speculative rewind."""
+    if len(input_pos) == 1 and not full_cache and key_valid is None:
+        return None  # one new token at the end of the visible cache sees all of it
     slots = torch.arange(kv_len, device=input_pos.device)
     causal = slots <= input_pos[:, None]  # (T, kv_len)
     if key_valid is not None:
         # a padding query sees itself, so no row is empty (an empty row would spread NaNs)
         return causal & (key_valid[:, None, None, :kv_len] | (slots == input_pos[:, None]))
-    if len(input_pos) == 1 and not full_cache:
-        return None  # one new token at the end of the visible cache sees all of it
     return causal
 
 
@@ -487,11 +491,15 @@ class Int4Linear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
 
     def forward(self, x):
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (m, in)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight_int4, INT4_GROUP, self.scales_and_zeros)
+        # (inputs are bf16 in a model quantize_int4 made: the casts are skipped, not called, as
+        # each call counts in a one-token step)
+        rows = x.reshape(-1, x.shape[-1])  # (m, in)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows if x.dtype == torch.bfloat16 else rows.to(torch.bfloat16),
+                                                       self.weight_int4, INT4_GROUP, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
     @property
     def weight(self):  # what dense_weight and the draft initialisation read
