@@ -87,8 +87,6 @@ def parse_spec(spec: str) -> tuple:
         tree = int(values["tree"])
     if values.get("adapt"):
         raise ValueError(f"{spec}: @adapt takes no value")
-    if tree and "adapt" in values:
-        raise ValueError(f"{spec}: @adapt sets a chain's length; it does not apply to @tree")
     return base, early_exit, tree or 0, "adapt" in values
 
 
@@ -108,10 +106,10 @@ def draft_label(spec: str) -> str:
 
 def make_draft(spec, target, tokenizer, temperature, generator):
     """A --drafts entry (parse_spec) as a draft; the run's tree budget is parse_spec's too."""
-    base, early_exit, _, adapt = parse_spec(spec)
+    base, early_exit, tree, adapt = parse_spec(spec)
     draft = build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
                         early_exit=early_exit)
-    return adaptive(draft, target) if adapt else draft
+    return adaptive(draft, target, tree, temperature) if adapt else draft
 
 
 @dataclass
@@ -373,7 +371,7 @@ def add_run_args(ap):
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     g.add_argument("--drafts", default=default_drafts,
                    help="comma-separated drafts as decode.py's --draft takes them, with suffixes in any "
-                        "order: @ee or @ee0.2 (early exit), @tree16 (trees), @adapt (adaptive length)")
+                        "order: @ee or @ee0.2 (early exit), @tree16 (trees), @adapt (adaptive length or tree size)")
     g.add_argument("--verifiers", default="greedy,lossless",
                    help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
                         "lossless (the same rule there) is left out if greedy is in")
@@ -480,9 +478,11 @@ def check_and_complete(ap, args):
         ap.error("--paired compares two different drafts; a draft against itself is 1.000 by construction")
     for spec in args.drafts:
         try:
-            parse_spec(spec)
+            _, _, tree, adapt = parse_spec(spec)
         except ValueError as e:
             ap.error(f"--drafts {e}")
+        if tree and adapt and max(args.temperatures) > 0:
+            ap.error(f"--drafts {spec}: @adapt sizes trees at temperature 0 only (--temperatures 0)")
     labels = [draft_label(spec) for spec in args.drafts]
     if len(set(labels)) < len(labels):  # runs and results are keyed by label: one would replace another
         ap.error(f"two --drafts have one name: {', '.join(sorted({n for n in labels if labels.count(n) > 1}))}")

@@ -23,7 +23,7 @@ import torch
 
 import model as M
 from checkpoints import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
-from draft import AdaptiveDraft, NoDraft
+from draft import AdaptiveDraft, NoDraft, tree_depths
 from files import repo_path, repo_relative
 from layouts import drafting_is_exact, layout_reason, load_target, run_block_costs, target_layout
 from machine import compile_step, default_device, machine_problem, pick_threads, wants_compile
@@ -121,14 +121,6 @@ def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, stat
     if on_verify is not None:
         on_verify(p, q, guesses, n)
     return guesses[:n].tolist() + [int(next_token)], n, hidden
-
-
-def tree_depths(parents: list) -> list:
-    """Depth of each node of a draft tree (1 for a child of the root)."""
-    depths = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return depths
 
 
 def exact_verifier(temperature: float) -> Verifier:
@@ -237,8 +229,8 @@ def add_speculation_args(ap):
                    help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls below this "
                         f"(bare flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT})")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="draft each step the length that pays, from recent acceptance and what a block costs here, "
-                        "decoding plainly where none does. Default: on with prompt lookup")
+                   help="draft each step the length (with --tree: EAGLE-3's tree size, T = 0) that pays, from "
+                        "recent acceptance and what a block costs here; none: a plain step. Default: on with lookup")
     g.add_argument("--tree", type=int, default=0, metavar="N",
                    help="draft a tree of at most N tokens (depth at most -k), verified in one forward: EAGLE-2's "
                         "dynamic tree for EAGLE-3, several matches for lookup. 0 (default): chains")
@@ -351,8 +343,9 @@ def check_and_complete(ap, args):
         ap.error(f"--tree takes a number of draft tokens >= 1 (0: chains), got {args.tree}")
     if args.tree and args.verifier == "none":
         ap.error("--tree drafts trees for a verifier to check; with --verifier none nothing is drafted")
-    if args.tree and args.adaptive:
-        ap.error("--adaptive sets a chain's length; it does not apply to --tree")
+    if args.tree and args.adaptive and args.temperature > 0:
+        ap.error("--adaptive sizes trees at --temperature 0 only: at T > 0 a tree's nodes are drawn, and "
+                 "pruning drawn nodes by their value would bias what the verifier sees")
     if args.tree and wants_compile(args.compile, args.device):
         ap.error("--tree needs --compile off: a compiled step has one static graph per block shape, and every "
                  "tree has a shape of its own")
@@ -360,9 +353,12 @@ def check_and_complete(ap, args):
         args.adaptive = args.draft == "lookup" and not args.tree
 
 
-def adaptive(draft, target) -> AdaptiveDraft:
-    """The draft with its length chosen each step by what a block costs on this machine, in the
-    run's layout (draft.AdaptiveDraft; layouts.block_cost_model)."""
+def adaptive(draft, target, tree: int = 0, temperature: float = 0.0) -> AdaptiveDraft:
+    """The draft with its length (or with tree > 0, its tree's size) chosen each step by what a
+    block costs on this machine, in the run's layout (draft.AdaptiveDraft; layouts.block_cost_model)."""
+    if tree and not (getattr(draft, "sizes_trees", False) and temperature <= 0):
+        raise ValueError("adaptive trees are sized for EAGLE-3 drafts at temperature 0, whose tree nodes come "
+                         "ranked (at T > 0 pruning drawn nodes would bias the verifier): drop --adaptive or --tree")
     return AdaptiveDraft(draft, *run_block_costs(target))
 
 
@@ -438,7 +434,7 @@ def run_draft(args, target, tokenizer, generator, step_fn=None):
             return None
     draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
                         generator=generator, early_exit=args.early_exit)
-    return adaptive(draft, target) if args.adaptive else draft
+    return adaptive(draft, target, args.tree, args.temperature) if args.adaptive else draft
 
 
 def main(argv=None):

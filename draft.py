@@ -52,6 +52,14 @@ def no_tokens():
     return torch.tensor([], dtype=torch.long), None
 
 
+def tree_depths(parents: list) -> list:
+    """Depth of each node of a draft tree (1 for a child of the root)."""
+    depths = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
 def as_tree(tokens: torch.Tensor, q):
     """A chain as a tree: each guess the only child of the one before."""
     return tokens, list(range(-1, len(tokens) - 1)), q
@@ -284,7 +292,7 @@ class AdaptiveDraft:
     whether drafting pays again: a free draft (prompt lookup) is watched, its proposals compared
     with the tokens plain decoding commits, at no cost; any other drafts one token after 1, 2, 4
     ... 16 plain steps. cost None (a GPU, where a block costs about a step) counts every block as
-    one step. The draft still sees every commit."""
+    one step. The draft still sees every commit. Trees are sized by the same rule (propose_tree)."""
 
     MAX_PAUSE = 16
     # what a drafting step must gain over a plain one: its own work (the proposal, the verifier,
@@ -317,6 +325,9 @@ class AdaptiveDraft:
         self.context = context
         self.paused, self.next_pause = 0, 1
         self.proposed, self.watched = 0, []
+        # trees: tokens kept against the tokens their nodes' values expected (decayed, a prior of one
+        # tree that kept what it expected), and the last tree's expectation until its verdict
+        self.tree_kept, self.tree_valued, self.tree_expected, self.tree_depth = 1.0, 1.0, None, 0
 
     def learn(self, kept: bool):
         self.kept = self.DECAY * self.kept + kept
@@ -331,33 +342,85 @@ class AdaptiveDraft:
             return (1 - a ** (n + 1)) / (1 - a) / cost
         return max(range(k + 1), key=lambda n: rate(n) / (self.MARGIN if n else 1.0))
 
+    def paced_length(self, k: int) -> int:
+        """best_length, except that where no length pays, one token is drafted after 1, 2, 4 ... 16
+        plain steps, to find out whether drafting pays again. 0: a plain step now."""
+        n = self.best_length(k)
+        if n:
+            self.next_pause = 1
+            return n
+        if self.paused:
+            self.paused -= 1
+            return 0
+        self.paused, self.next_pause = self.next_pause, min(2 * self.next_pause, self.MAX_PAUSE)
+        return 1
+
     def propose(self, k: int):
         self.proposed = 0
-        n = self.best_length(k)
-        if n == 0 and getattr(self.draft, "free", False):
+        if getattr(self.draft, "free", False) and self.best_length(k) == 0:
             if not self.watched:  # what it would draft, checked against what plain decoding commits
                 self.watched = self.draft.propose(k)[0].tolist()
             return no_tokens()
+        n = self.paced_length(k)
         if n == 0:
-            if self.paused:
-                self.paused -= 1
-                return no_tokens()
-            n, self.paused, self.next_pause = 1, self.next_pause, min(2 * self.next_pause, self.MAX_PAUSE)
-        else:
-            self.next_pause = 1
+            return no_tokens()
         self.watched = []
         start = time.perf_counter()
         tokens, q = self.draft.propose(n)
         self.proposed = len(tokens)
-        if self.proposed and self.step_seconds:
-            per_token = (time.perf_counter() - start) / self.proposed / self.step_seconds
-            self.draft_step = self.DECAY * self.draft_step + (1 - self.DECAY) * per_token
+        self.time_draft(start, len(tokens))
         return tokens, q
+
+    def time_draft(self, start: float, forwards: int):
+        """Learn the draft's time per forward (one token of a chain, one depth of a tree), in
+        one-token target steps."""
+        if forwards and self.step_seconds:
+            per_forward = (time.perf_counter() - start) / forwards / self.step_seconds
+            self.draft_step = self.DECAY * self.draft_step + (1 - self.DECAY) * per_forward
+
+    def propose_tree(self, n: int, depth: int):
+        """A tree of the size that pays, for drafts that rank their nodes (EAGLE-3 at T = 0). Its
+        depth is the chain length that pays at the acceptance rate of the kept paths (paced_length:
+        so a tree costs the draft about what that chain would), and of the draft's tree of at most
+        n nodes, ranked best first, the first m are kept (tree_size; m = 0 is a plain step)."""
+        self.proposed, self.watched, self.tree_depth = 0, [], 0
+        depth = self.paced_length(depth)
+        if depth == 0:
+            return no_tokens()[0], [], None
+        start = time.perf_counter()
+        tokens, parents, q = self.draft.propose_tree(n, depth, size=lambda values: self.tree_size(values, depth))
+        self.time_draft(start, depth)
+        self.proposed = len(tokens)
+        self.tree_depth = max(tree_depths(parents), default=0)
+        return tokens, parents, q
+
+    def tree_size(self, values: list, depth: int) -> int:
+        """How many of a tree's nodes to keep, given their values best first (the draft's
+        probability that a node's whole path is kept; a parent comes before its children): the m
+        maximizing expected tokens per unit of time, (1 + c (v_1 + ... + v_m)) / (cost(m, context)
+        + the draft's time for the tree's `depth` forwards), c the learned ratio of tokens kept to
+        tokens the values expected (a draft's confidence is not its acceptance rate)."""
+        c = self.tree_kept / self.tree_valued
+
+        def rate(m):
+            cost = (self.cost(m, self.context) if self.cost else 1.0) + (depth * self.draft_step if m else 0.0)
+            return (1 + c * sum(values[:m])) / cost
+        m = max(range(len(values) + 1), key=lambda m: rate(m) / (self.MARGIN if m else 1.0))
+        self.tree_expected = sum(values[:m]) if m else None
+        return m
 
     def commit(self, new_ids, n_accepted, features=None):
         self.draft.commit(new_ids, n_accepted, features)
         self.context += len(new_ids)
-        if self.proposed:  # verified: n_accepted kept, then one rejected unless all were kept
+        if self.tree_expected is not None:  # a tree's verdict: what its values expected, what it kept
+            self.tree_kept = self.DECAY * self.tree_kept + n_accepted
+            self.tree_valued = self.DECAY * self.tree_valued + self.tree_expected
+            self.tree_expected = None
+            for _ in range(n_accepted):  # and the acceptance rate along its kept path, for its depth
+                self.learn(True)
+            if n_accepted < self.tree_depth:
+                self.learn(False)
+        elif self.proposed:  # verified: n_accepted kept, then one rejected unless all were kept
             for _ in range(n_accepted):
                 self.learn(True)
             if n_accepted < self.proposed:

@@ -97,6 +97,7 @@ class Eagle3Draft(HeadCalibration):
     own cache. So a prompt of L tokens gives L-1 pairs (states 0..L-2 with tokens 1..L-1), and each
     commit of n+1 tokens brings the states of the n+1 positions they were fed at. Drafted pairs
     (the draft's own output with its own token) go past the real ones and are overwritten."""
+    sizes_trees = True  # propose_tree ranks its nodes, so AdaptiveDraft can size its trees (T = 0)
 
     def __init__(self, net: Eagle3, embed: nn.Embedding, max_seq_len: int,
                  temperature: float = 0.0, top_p: float = 1.0, generator=None,
@@ -191,7 +192,7 @@ class Eagle3Draft(HeadCalibration):
         return states
 
     @torch.no_grad()
-    def propose_tree(self, n: int, depth: int, top_k: int = TREE_TOP_K):
+    def propose_tree(self, n: int, depth: int, top_k: int = TREE_TOP_K, size=None):
         """EAGLE-2's dynamic tree: at each depth, the top_k children of each expanded node become
         candidates scored by their cumulative draft log-probability, and the top_k best of the new
         candidates are expanded (one draft forward for all of them); finally the n best candidates
@@ -201,7 +202,9 @@ class Eagle3Draft(HeadCalibration):
         child drawn is kept (until n): pruning a drawn child for its value would bias what the
         verifier sees, so the budget is spent as the tree grows, best nodes expanded first, and
         q holds each child's distribution. Early exit skips the children of a node whose
-        verification head expects them rejected."""
+        verification head expects them rejected. size (T = 0 only), given the candidates' values
+        best first (each the draft's probability of its path, exp of the score), returns how many
+        of them to keep: draft.AdaptiveDraft sizes trees by what their blocks cost."""
         sampled = self.temperature > 0
         if not self.pending_tokens or n < 1 or depth < 1:
             return torch.tensor([], dtype=torch.long), [], None
@@ -228,7 +231,9 @@ class Eagle3Draft(HeadCalibration):
             expand_states = self.feed_nodes(expand, tokens, parents, slots, state_of, base, d)
         if sampled:
             return torch.tensor(tokens, dtype=torch.long), parents, torch.stack(qs) if qs else None
-        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:n])  # creation order
+        ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))  # (a parent before its children)
+        n = n if size is None else size([math.exp(scores[i]) for i in ranked[:n]])
+        keep = sorted(ranked[:n])  # creation order
         index = {node: j for j, node in enumerate(keep)}
         return (torch.tensor([tokens[i] for i in keep], dtype=torch.long),
                 [index[parents[i]] if parents[i] >= 0 else -1 for i in keep], None)

@@ -207,7 +207,7 @@ class Attention(nn.Module):
         -> (B, T, dim) in `dtype` (default q's)."""
         return self.o_proj(self.mix(q, k, v, mask).transpose(1, 2).flatten(2).to(dtype or q.dtype))
 
-    def forward(self, x, cos, sin, mask, input_pos, kv_len, row_keys=None, tree_slots=None):
+    def forward(self, x, cos, sin, mask, input_pos, kv_len, row_keys=None, tree_moves=None):
         q, k, v = self.project(x, cos, sin)
         # (q, k and v come in the cache's dtype, on a CPU fp32 whatever the weights: see KVCache)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, kv_heads, max_seq_len, head_dim)
@@ -216,15 +216,23 @@ class Attention(nn.Module):
             # a verification block: each query attends exactly as a one-token step would (the same
             # kernel on the same keys), so the block's outputs are bit for bit the one-token ones:
             # eagerly the cache up to itself (row_keys), compiled the whole cache through its mask
-            # row. A tree's row sees the cache before the block and its ancestors: gathered, the
-            # keys a one-token step along that path would see, in the same order
-            if tree_slots is not None:
-                rows = [self.mix(q[:, :, t:t + 1], k.index_select(2, tree_slots[t]),
-                                 v.index_select(2, tree_slots[t]), None) for t in range(T)]
-            elif row_keys is not None:
+            # row. A tree's row sees the cache before the block, then its ancestors and itself:
+            # tree_moves first puts that path where a chain would have it (tree_attention)
+            if row_keys is None:
+                rows = [self.mix(q[:, :, t:t + 1], k, v, mask[t:t + 1]) for t in range(T)]
+            elif tree_moves is None:
                 rows = [self.mix(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], None) for t, n in enumerate(row_keys)]
             else:
-                rows = [self.mix(q[:, :, t:t + 1], k, v, mask[t:t + 1]) for t in range(T)]
+                first = int(input_pos[0])
+                block_k, block_v = k[:, :, first:first + T].clone(), v[:, :, first:first + T].clone()  # (B, kv_heads, T, head_dim)
+                rows = []
+                for t, n in enumerate(row_keys + [None]):  # (a last move puts the block back, for keep_path)
+                    if tree_moves[t] is not None:
+                        start, block_rows = tree_moves[t]
+                        k[:, :, first + start:first + start + len(block_rows)] = block_k.index_select(2, block_rows)
+                        v[:, :, first + start:first + start + len(block_rows)] = block_v.index_select(2, block_rows)
+                    if n is not None:
+                        rows.append(self.mix(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], None))
             return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2).to(x.dtype))  # rows: (B, heads, 1, head_dim)
         # only the first kv_len cache slots can be visible; attending to the rest is wasted bandwidth
         return self.attend(q, k[:, :, :kv_len], v[:, :, :kv_len], mask, x.dtype)
@@ -249,8 +257,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, mask, input_pos, kv_len, row_keys=None, tree_slots=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, kv_len, row_keys, tree_slots)
+    def forward(self, x, cos, sin, mask, input_pos, kv_len, row_keys=None, tree_moves=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, kv_len, row_keys, tree_moves)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -297,19 +305,19 @@ class Transformer(nn.Module):
         # how many slots each row of a short block sees, read once (compiled: the whole cache, masked)
         row_keys = [p + 1 for p in input_pos.tolist()] if 1 < len(input_pos) <= ROW_BY_ROW_MAX and \
             not self.attend_full_cache else None
-        tree_slots = None
+        tree_moves = None
         if tree_parents is None:
             rope_pos = input_pos
             mask = attention_mask(input_pos, kv_len, key_valid, self.attend_full_cache)
         else:
-            rope_pos, mask, tree_slots = tree_attention(tree_parents, input_pos, kv_len)
+            rope_pos, mask, row_keys, tree_moves = tree_attention(tree_parents, input_pos, kv_len)
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]  # (T, head_dim)
         x = self.embed_tokens(tokens)  # (B, T, dim)
         hidden = {}
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = x
-            x = layer(x, cos, sin, mask, input_pos, kv_len, row_keys, tree_slots)
+            x = layer(x, cos, sin, mask, input_pos, kv_len, row_keys, tree_moves)
         hidden[self.args.n_layer] = x
         if last_logits_only:
             x = x[:, -1:]
@@ -333,9 +341,13 @@ class Transformer(nn.Module):
 def tree_attention(parents: list, slots: torch.Tensor, kv_len: int):
     """A verification block shaped as a tree: row 0 the root (the last committed token), row i + 1
     draft node i with parent row parents[i] + 1 (parents[i] = -1: the root), rows in topological
-    order and written to consecutive cache slots from slots[0]. Returns the RoPE positions (T,)
-    (slots[0] + depth: a node sits where it would in its own chain), the mask (T, kv_len) (the
-    cache before the block, then the row's ancestors and itself) and each row's visible slots."""
+    order and written to consecutive cache slots from slots[0]. Returns
+      the RoPE positions (T,): slots[0] + depth, where a node sits in its own chain;
+      the mask (T, kv_len): the cache before the block, then the row's ancestors and itself;
+      each row's key count and moves, for blocks that attend row by row: a one-token step along a
+      row's path would see the cache, then that path in consecutive slots. So before row t
+      attends, moves[t] = (start, block rows) or None puts the rows of its path that are not yet
+      in place at slots[0] + start onwards; moves[T] puts the block back as it was written."""
     T, first = len(parents) + 1, int(slots[0])
     depth, ancestors = [0], [[0]]
     for parent in parents:
@@ -346,8 +358,12 @@ def tree_attention(parents: list, slots: torch.Tensor, kv_len: int):
     for row, rows_seen in enumerate(ancestors):
         mask[row, [first + r for r in rows_seen]] = True
     rope_pos = first + torch.tensor(depth, device=slots.device)
-    visible = [mask[row].nonzero()[:, 0] for row in range(T)]  # slots, increasing
-    return rope_pos, mask, visible
+    placed, moves = list(range(T)), []  # placed: the block row each slot from `first` holds
+    for path in ancestors + [list(range(T))]:
+        start = next((j for j, row in enumerate(path) if placed[j] != row), len(path))
+        moves.append((start, torch.tensor(path[start:], device=slots.device)) if start < len(path) else None)
+        placed[start:len(path)] = path[start:]
+    return rope_pos, mask, [first + len(path) for path in ancestors], moves
 
 
 def attention_mask(input_pos, kv_len: int, key_valid=None, full_cache: bool = False):

@@ -136,7 +136,8 @@ def test_greedy_follows_the_argmax_down_the_tree():
 import checkpoints as CK
 import files as FL
 import layouts as LY  # noqa: E402
-from decode import generate, tree_depths  # noqa: E402
+from decode import generate  # noqa: E402
+from draft import tree_depths  # noqa: E402
 from draft import HybridDraft, LookupDraft
 from eagle3 import Eagle3Draft
 from test_emits import (FRESH, REPEATING, T, assert_fits, continuation_distribution, index_of,  # noqa: E402
@@ -223,6 +224,37 @@ def test_greedy_tree_decoding_is_plain_greedy_decoding(models, kind, int8):
     assert drafted > 0 and (declined > 0 if "early exit" in kind else True)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3 early exit"])
+def test_adaptive_tree_decoding_is_plain_greedy_decoding(models, kind):
+    """Trees sized by cost keep a best-first prefix of the draft's tree: still a tree, still exact."""
+    from draft import AdaptiveDraft
+    target, sizes = models["int8"], []
+    for prompt in (REPEATING, FRESH):
+        plain = generate(target, prompt, max_new_tokens=16)["tokens"]
+        adaptive = AdaptiveDraft(tree_draft(kind, models, target), lambda n, context: 1 + 0.1 * n)
+        real_size = adaptive.tree_size
+        adaptive.tree_size = lambda values, depth: sizes.append(real_size(values, depth)) or sizes[-1]
+        out = generate(target, prompt, adaptive, Verifier("greedy"), k=3, max_new_tokens=16, tree=10)
+        assert out["tokens"] == plain, (kind, prompt)
+    assert sizes and max(sizes) > 1  # (blocks this cheap pay for more than one node)
+
+
+def test_tree_size_weighs_node_values_against_what_a_block_costs():
+    """The kept prefix maximizes expected tokens (1 + c * the values kept) per unit of time."""
+    from draft import AdaptiveDraft, LookupDraft
+    adaptive = AdaptiveDraft(LookupDraft(), lambda n, context: 1 + 0.25 * n)
+    values = [0.9, 0.5, 0.3, 0.2, 0.05]
+    # rate(m) = (1 + sum(values[:m])) / (1 + m / 4): 1, 1.52, 1.6, 1.54, 1.45, 1.31 for m = 0..5
+    assert adaptive.tree_size(values, depth=2) == 2
+    adaptive.tree_kept, adaptive.tree_valued = 0.1, 1.0  # its values promised ten times what it kept
+    assert adaptive.tree_size(values, depth=2) == 0
+    adaptive.tree_kept = adaptive.tree_valued = 1.0
+    adaptive.draft_step = 1.0  # a slow draft: two forwards of a step each for this depth-2 tree
+    assert adaptive.tree_size(values, depth=2) == 0
+    adaptive.cost, adaptive.draft_step = None, 0.0  # a GPU: a block costs a step, every node pays
+    assert adaptive.tree_size(values, depth=2) == 5
+
+
 @pytest.mark.parametrize("kind,prompt", [("lookup", REPEATING), ("eagle3", FRESH), ("eagle3 early exit", FRESH)],
                          ids=["lookup", "eagle3", "eagle3 early exit"])
 def test_lossless_tree_decoding_emits_the_target_distribution(models, kind, prompt):
@@ -294,7 +326,7 @@ def test_default_target_tree_decoding_is_its_plain_decoding(default_int4):
 def test_cli_tree_flags(capsys):
     from decode import TokenColours, get_args
     assert get_args(["--tree", "8"]).adaptive is False  # adaptive lookup is the chain's default only
-    for argv, message in ((["--tree", "-1"], "--tree takes"), (["--tree", "8", "--adaptive"], "does not apply"),
+    for argv, message in ((["--tree", "-1"], "--tree takes"), (["--tree", "8", "--adaptive", "--temperature", "1"], "temperature 0 only"),
                           (["--tree", "8", "--compile", "on"], "--compile off")):
         with pytest.raises(SystemExit):
             get_args(argv)
@@ -311,7 +343,8 @@ def test_bench_tree_specs():
     assert bench.parse_spec("drafts/x@tree8@ee0.2") == ("drafts/x", 0.2, 8, False)  # in any order
     assert bench.parse_spec("drafts/x@adapt@ee") == ("drafts/x", "auto", 0, True)
     assert bench.draft_label("drafts/x@ee@tree8") == "x +early-exit tree8"
-    for spec in ("lookup@tree8@adapt", "lookup@adapt@tree4", "lookup@ee", "drafts/x@ee5", "drafts/x@eeabc",
+    assert bench.parse_spec("drafts/x@tree8@adapt") == ("drafts/x", None, 8, True)  # sized by cost
+    for spec in ("lookup@ee", "drafts/x@ee5", "drafts/x@eeabc",
                  "lookup@tree0", "lookup@adapt@adapt", "lookup@fast"):
         with pytest.raises(SystemExit):
             bench.get_args(["--drafts", spec])
