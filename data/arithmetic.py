@@ -1,8 +1,8 @@
-"""Write data/arithmetic_train.jsonl and data/arithmetic_test.jsonl: "What is a + b?" at lossy.py's
-four levels, with no instruction about the answer's form, so the target answers in its own
-templated sentences ("To add 23 and 45, we ...") that repeat the prompt's numbers. A domain where a
-small draft can learn to predict most of what the target writes: the high-acceptance regime in
-which VAT's weighting acts (it changes nothing on a chain rejected at its first token).
+"""Write data/arithmetic_train.jsonl and data/arithmetic_test.jsonl: "What is a + b?" at
+the four levels of experiments/lossy.py, with no instruction about the answer's form, so the
+target answers in its own templated sentences ("To add 23 and 45, we ...") that repeat the
+prompt's numbers. A domain where a small draft can learn to predict most of what the target
+writes: the high-acceptance regime in which VAT's weighting acts (it changes nothing on a chain rejected at its first token).
 
     python data/arithmetic.py            # deterministic: the same files on every machine
 
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from lossy import LEVELS, arithmetic_problems  # noqa: E402
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "experiments")]
+from tasks import LEVELS, arithmetic_problems  # noqa: E402  (the levels experiments/lossy.py grades)
 
 TEST_PER_LEVEL = 25
 TRAIN_PER_LEVEL = 3000  # levels with fewer distinct problems give all they have left

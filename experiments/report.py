@@ -9,7 +9,7 @@ roleplay, reasoning, math, coding, extraction, stem, humanities, translation, su
 math reasoning, retrieval-augmented generation) and the last GSM8K test questions, the in-domain
 task of the committed GSM8K draft. Each at T = 0 (greedy, every speculative run emits plain
 decoding's tokens) and T = 1 (sampling, lossless verification: every run emits the target's
-distribution). Every run of a task goes on each prompt before the next prompt (bench.interleave),
+distribution). Every run of a task goes on each prompt before the next prompt (speed.interleave),
 so drift of the machine falls on all of them alike, and a speedup is the median over prompts of
 (run's tokens/s) / (plain fp32 decoding's tokens/s on the same prompt). A rate is new tokens over
 the whole call, prompt included, which is what transformers' generate can be timed on too.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modu
 
 import torch
 
-import bench
+import speed
 import model as M
 import peers
 from decode import DECODE_K
@@ -81,20 +81,20 @@ def task_prompts(task: str, limit: int, tokenizer) -> list:
 
 
 def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> tuple:
-    """bench.Run objects for a table, its first row the baseline at each temperature, and {run
+    """speed.Run objects for a table, its first row the baseline at each temperature, and {run
     name: the layout its target ran in}."""
     runs, layouts = [], {}
     for label, temperatures, weights, spec, peer in table:
         for t in temperatures:
             name = "baseline" if label == table[0][0] else label
             if peer:
-                runs.append(bench.Run(f"{name} T={t:g}", t, peer=peers.hf_peer(
+                runs.append(speed.Run(f"{name} T={t:g}", t, peer=peers.hf_peer(
                     resolve_model(DEFAULT_TARGET), "generate", k)))
                 layouts[runs[-1].name] = "transformers float32"
                 continue
             target = targets[weights]
-            draft = None if spec is None else bench.make_draft(spec, target, tokenizer, t, generator)
-            runs.append(bench.Run(f"{name} T={t:g}", t, target, draft))
+            draft = None if spec is None else speed.make_draft(spec, target, tokenizer, t, generator)
+            runs.append(speed.Run(f"{name} T={t:g}", t, target, draft))
             layouts[runs[-1].name] = target.layout
     return runs, layouts
 
@@ -110,13 +110,13 @@ def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> tuple:
         t0 = time.perf_counter()
         runs, layouts = build_runs(table, targets, tokenizer, generator, k)
         prompts = task_prompts(task, limit, tokenizer)
-        records = bench.interleave(runs, prompts, k, max_new_tokens, tokenizer.stop_ids, generator, "cpu",
+        records = speed.interleave(runs, prompts, k, max_new_tokens, tokenizer.stop_ids, generator, "cpu",
                                    warmup=1, desc=f"{task} (prompts)")
         labels = {run.name: run.name.replace("baseline", table[0][0]) for run in runs}
         temperatures = {run.name: run.temperature for run in runs}
         out[task] = {"prompts": len(prompts), "labels": labels, "layouts": layouts,
-                     "summary": bench.summarize(records, temperatures),
-                     "seconds": time.perf_counter() - t0, "runs": bench.records_for_file(records, temperatures)}
+                     "summary": speed.summarize(records, temperatures),
+                     "seconds": time.perf_counter() - t0, "runs": speed.records_for_file(records, temperatures)}
     return out, targets["auto"].choice
 
 

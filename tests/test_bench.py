@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import bench
+import speed
 import step_table
 import stats
 import peers
@@ -27,11 +28,11 @@ def test_quick_run_is_consistent(tmp_path):
     headline = json.loads(r.stdout.strip().splitlines()[-1])
     result = json.loads(out.read_text())
     assert headline["results"] == str(out)
-    speed, runs = result["speed"], bench.records_from_file(result["runs"])
+    summaries, runs = result["speed"], speed.records_from_file(result["runs"])
     columns = result["runs"]["lookup greedy T=0"]  # as the file keeps it: a column per field
     # at T=0 lossless keeps what greedy keeps, so it is left out when greedy runs
-    assert set(speed) == {"baseline T=0", "lookup greedy T=0", "baseline T=1", "lookup lossless T=1"}
-    for name, s in speed.items():
+    assert set(summaries) == {"baseline T=0", "lookup greedy T=0", "baseline T=1", "lookup lossless T=1"}
+    for name, s in summaries.items():
         rs = runs[name]
         assert len(rs) == 2  # one writing and one translation prompt
         close = dict(rel=3e-4)  # (a results file keeps five significant digits)
@@ -41,18 +42,18 @@ def test_quick_run_is_consistent(tmp_path):
         assert s["speedup_median"] == pytest.approx(statistics.median(ratios), **close)
         assert s["speedup_median_per_category"] == pytest.approx(  # one prompt per category here
             {r["category"]: ratio for r, ratio in zip(rs, ratios)}, **close)
-        for r in rs:  # speed counts the prompt's prefill, as a peer's generate does; the decode rate does not
+        for r in rs:  # the speedup counts the prompt's prefill, as a peer's generate does; the decode rate does not
             assert r["wall_tokens_per_s"] == pytest.approx(r["new_tokens"] / r["seconds"], **close)
             assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / (r["seconds"] - r["prefill_seconds"]),
                                                       rel=1e-3)
         # the process holds the fp32 target (0.54 GB) during every run, whatever else it drafts with
         assert s["peak_memory_mb"] == max(r["peak_memory_mb"] for r in rs) > 0.54e9 / 2**20
-    assert speed["baseline T=0"]["tau"] == 1.0
-    # greedy speculative decoding changes nothing but speed: the same tokens as the baseline, which
+    assert summaries["baseline T=0"]["tau"] == 1.0
+    # greedy speculative decoding changes nothing but summaries: the same tokens as the baseline, which
     # the file records once
     assert columns["tokens_as_baseline"] == [True, True] and columns["tokens"] == [None, None]
     assert [r["tokens"] for r in runs["lookup greedy T=0"]] == [r["tokens"] for r in runs["baseline T=0"]]
-    assert speed["lookup greedy T=0"]["prompts_with_the_baseline_tokens"] == 2
+    assert summaries["lookup greedy T=0"]["prompts_with_the_baseline_tokens"] == 2
     assert result["config"]["layout"] == "float32-packed" and result["config"]["layout_choice"] == {}
     assert all(len(r["tokens"]) == r["new_tokens"] > 0 for rs in runs.values() for r in rs)
     assert all(Path(p).is_file() for p in result["plots"])
@@ -153,12 +154,12 @@ def test_paired_ratio_is_a_ratio_of_sums_with_a_paired_interval():
 
 def test_drafts_of_one_name_are_refused_and_kept_checkpoints_are_named_by_run_and_step():
     """Runs are keyed by a draft's name: two drafts of one name would overwrite each other's results."""
-    assert bench.draft_label("runs/vat/checkpoint") == "vat"
-    assert bench.draft_label("runs/vat/step-000500@ee0.1") == "vat@500 +early-exit 0.1"
+    assert speed.draft_label("runs/vat/checkpoint") == "vat"
+    assert speed.draft_label("runs/vat/step-000500@ee0.1") == "vat@500 +early-exit 0.1"
     with pytest.raises(SystemExit):
         bench.get_args(["--drafts", "runs/a/checkpoint,other/a"])
     args = bench.get_args(["--drafts", "runs/vat/step-000500,runs/base/step-000500", "--speed-off"])
-    assert [bench.draft_label(d) for d in args.drafts] == ["vat@500", "base@500"]
+    assert [speed.draft_label(d) for d in args.drafts] == ["vat@500", "base@500"]
 
 
 def test_paired_runs_pair_only_runs_with_a_twin():
@@ -169,10 +170,10 @@ def test_paired_runs_pair_only_runs_with_a_twin():
     records = {"baseline T=0": run, "a greedy T=0": run, "b greedy T=0": run,
                "a +early-exit 0.05 greedy T=0": run, "a greedy T=1": run}
     paired = [["runs/a/checkpoint", "runs/b/checkpoint"]]
-    pairs = bench.paired_runs(paired, records)
+    pairs = speed.paired_runs(paired, records)
     assert list(pairs) == ["a greedy T=0 vs b"]
     paired.append(["runs/b/checkpoint", "runs/a/checkpoint"])
-    assert list(bench.paired_runs(paired, records)) == ["a greedy T=0 vs b", "b greedy T=0 vs a"]
+    assert list(speed.paired_runs(paired, records)) == ["a greedy T=0 vs b", "b greedy T=0 vs a"]
     assert pairs["a greedy T=0 vs b"]["tau"]["ratio"] == 1.0
 
 
@@ -191,7 +192,7 @@ def test_llama_cpp_is_an_optional_peer(smollm2_dir, monkeypatch, capsys):
     """--peers adds llama.cpp on the same GGUF file when llama-cpp-python is installed, and says how
     to get it when it is not; its runs emit tokens of the target's vocabulary, stopping on time."""
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
-    names = [r.name for r in bench.peer_runs("smollm2-135m", 0.0, 5)]
+    names = [r.name for r in speed.peer_runs("smollm2-135m", 0.0, 5)]
     assert names == ["transformers generate T=0", "transformers assisted lookup T=0"]
     assert "pip install llama-cpp-python" in capsys.readouterr().err
     monkeypatch.undo()
@@ -236,7 +237,7 @@ def test_the_decode_table_shows_autos_choice_and_what_a_block_costs(capsys):
 def test_a_results_file_records_tokens_equal_to_the_baselines_once():
     """A run's record keeps its tokens where they part from its baseline's on that prompt, and says
     it matched where they do not; the baseline keeps its own; columns read back as the records."""
-    from bench import records_for_file, records_from_file
+    from speed import records_for_file, records_from_file
     base = [{"tokens": [1, 2, 3], "seconds": 1.0}, {"tokens": [4, 5], "seconds": 1.0}]
     ours = [{"tokens": [1, 2, 3], "seconds": 0.5}, {"tokens": [4, 6], "seconds": 0.5}]
     sampled = [{"tokens": [1, 2, 3], "seconds": 0.5}]

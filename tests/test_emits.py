@@ -225,15 +225,15 @@ def test_greedy_verification_at_temperature_above_zero_is_refused(models):
 @pytest.mark.parametrize("spec", [None, "lookup"])
 def test_bench_runs_sample_at_temperature_above_zero(models, spec):
     """The baseline every T > 0 speedup divides by is plain sampling, and a lookup run samples."""
-    import bench
+    import speed
     target, runs = models["target"], 300
     exact = continuation_distribution(target, REPEATING, 2, T)
     generator = torch.Generator().manual_seed(0)
-    run = bench.Run("x", T, target, draft=LookupDraft() if spec else None,
+    run = speed.Run("x", T, target, draft=LookupDraft() if spec else None,
                     verifier=Verifier("lossless") if spec else None)
     counts = torch.zeros(len(exact), dtype=torch.double)
     for _ in range(runs):
-        out = bench.emit(run, REPEATING, k=3, max_new_tokens=2, stop_ids=(), generator=generator)
+        out = speed.emit(run, REPEATING, k=3, max_new_tokens=2, stop_ids=(), generator=generator)
         counts[index_of(out["tokens"])] += 1
     assert_fits(counts, exact, f"bench {spec or 'baseline'}")
 

@@ -275,3 +275,16 @@ def test_gsm8k_and_humaneval_run_through_the_same_experiment(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert set(summary) == {"gsm8k", "humaneval", "all"}
     assert summary["all"]["eta eps=0.09"]["vs_lossless"]["n"] == 2
+
+
+def test_the_arithmetic_data_script_draws_the_problems_lossy_grades():
+    """data/arithmetic.py (a script) finds the levels it shares with the experiment, and the files
+    it wrote keep the experiment's own problems out."""
+    import runpy
+    from files import DATA, read_jsonl
+    script = runpy.run_path(str(ROOT / "data" / "arithmetic.py"), run_name="imported")  # (main not run)
+    assert script["LEVELS"].keys() == tasks.LEVELS.keys()
+    evaluation = {p["prompt"].split("?")[0] + "?" for p in tasks.arithmetic_problems(100, seed=0)}
+    written = [r["prompt"] for name in ("arithmetic_train.jsonl", "arithmetic_test.jsonl")
+               for _, r in read_jsonl(DATA / name)]
+    assert len(written) > 3000 and not evaluation & set(written)

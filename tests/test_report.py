@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-import bench
+import speed
 import report
 from files import ROOT
 
@@ -19,7 +19,7 @@ def test_readme_shows_what_the_results_file_renders_to():
     assert not machine["uncommitted_changes"], "measure a committed tree, so that the commit names the code"
     # every run of a task measured every prompt, and the baselines are plain decoding, not greedy at T > 0
     for task in results["tasks"].values():
-        runs = bench.records_from_file(task["runs"])
+        runs = speed.records_from_file(task["runs"])
         for name, rs in runs.items():
             assert len(rs) == task["prompts"], name
         sampled = runs["baseline T=1"]

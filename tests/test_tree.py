@@ -338,12 +338,13 @@ def test_cli_tree_flags(capsys):
 
 def test_bench_tree_specs():
     import bench
-    assert bench.parse_spec("lookup@tree16") == ("lookup", None, 16, False)
-    assert bench.parse_spec("drafts/x@ee0.2@tree8") == ("drafts/x", 0.2, 8, False)
-    assert bench.parse_spec("drafts/x@tree8@ee0.2") == ("drafts/x", 0.2, 8, False)  # in any order
-    assert bench.parse_spec("drafts/x@adapt@ee") == ("drafts/x", "auto", 0, True)
-    assert bench.draft_label("drafts/x@ee@tree8") == "x +early-exit tree8"
-    assert bench.parse_spec("drafts/x@tree8@adapt") == ("drafts/x", None, 8, True)  # sized by cost
+    import speed
+    assert speed.parse_spec("lookup@tree16") == ("lookup", None, 16, False)
+    assert speed.parse_spec("drafts/x@ee0.2@tree8") == ("drafts/x", 0.2, 8, False)
+    assert speed.parse_spec("drafts/x@tree8@ee0.2") == ("drafts/x", 0.2, 8, False)  # in any order
+    assert speed.parse_spec("drafts/x@adapt@ee") == ("drafts/x", "auto", 0, True)
+    assert speed.draft_label("drafts/x@ee@tree8") == "x +early-exit tree8"
+    assert speed.parse_spec("drafts/x@tree8@adapt") == ("drafts/x", None, 8, True)  # sized by cost
     for spec in ("lookup@ee", "drafts/x@ee5", "drafts/x@eeabc",
                  "lookup@tree0", "lookup@adapt@adapt", "lookup@fast"):
         with pytest.raises(SystemExit):
@@ -356,7 +357,7 @@ def test_bench_tree_specs():
 # The verification head's record (bench's reliability data), chains only
 
 def test_head_calibration_pairs_each_drafted_token_with_its_fate(models):
-    from bench import reliability
+    from stats import reliability
     target = models["target"]
     draft = tree_draft("eagle3", models, target)
     draft.calibration = []
