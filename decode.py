@@ -279,8 +279,8 @@ def add_machine_args(ap):
                    help="the target's weights. auto (default): one layout for the whole run, the fastest exact one "
                         "timed here (README: weight layouts); int8/int4 change the model a little")
     g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="torch.compile the decode step; auto: on for CUDA only. Each block length compiles once "
-                        "(on a CPU minutes at first, then cached), which pays only over long runs")
+                   help="torch.compile the decode step; auto: on for CUDA only. On a CPU the one-token step compiles "
+                        "once (a minute or more at first, then cached), which pays only over long runs")
     g.add_argument("--no-pack", dest="pack", action="store_false",
                    help="with --dtype float32 or bfloat16 on CPU, keep nn.Linear weights unpacked (not oneDNN's layout)")
     g.add_argument("--threads", default="auto",
@@ -346,9 +346,9 @@ def check_and_complete(ap, args):
     if args.tree and args.adaptive and args.temperature > 0:
         ap.error("--adaptive sizes trees at --temperature 0 only: at T > 0 a tree's nodes are drawn, and "
                  "pruning drawn nodes by their value would bias what the verifier sees")
-    if args.tree and wants_compile(args.compile, args.device):
-        ap.error("--tree needs --compile off: a compiled step has one static graph per block shape, and every "
-                 "tree has a shape of its own")
+    if args.tree and wants_compile(args.compile, args.device) and args.device != "cpu":
+        ap.error("--tree needs --compile off on CUDA: a compiled step there has one static graph per block shape, "
+                 "and every tree has a shape of its own")
     if args.adaptive is None:
         args.adaptive = args.draft == "lookup" and not args.tree
 
@@ -457,8 +457,9 @@ def main(argv=None):
     print(f"[{layout_reason(target)}]", file=sys.stderr)
     step_fn = compile_step(target) if compiled else target
     if compiled:
-        print("note: --compile on compiles the step for each block length the run meets, when it first meets "
-              "it (on a CPU minutes each the first time, then cached on disk)", file=sys.stderr)
+        print("note: --compile on compiles " + ("the one-token step once for the run (a minute or more the first "
+              "time on a CPU, seconds once cached on disk); blocks and trees run uncompiled" if args.device == "cpu"
+              else "the step for each block length the run meets, when it first meets it"), file=sys.stderr)
     draft = run_draft(args, target, tokenizer, generator, step_fn if compiled else None)
     args.layout = target.layout
 

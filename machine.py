@@ -80,19 +80,24 @@ def unpack(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def compile_step(target, mode: str = "default"):
-    """torch.compile the target's forward. It then attends the whole cache, so each block length is
-    one static graph. On a CPU inductor freezes the weights (folds them into the graph as constants,
-    packing them itself, so oneDNN-packed Linears are unpacked first), fuses the small ops between
-    the matmuls and calls its kernels from C++ (the step is many small ops, and Python's cost per
-    op is what compiling saves). It also rounds to bf16 wherever eager code does: otherwise a fused
-    kernel keeps some values in fp32, fusing differently in a one-token graph and in a block's, and
-    a block's rows would lose the one-token step's bits. On CUDA, mode "reduce-overhead" adds CUDA
-    graphs."""
-    target.attend_full_cache = True
+    """torch.compile the target's step; returns what decoding calls for a forward.
+    On a CPU only the one-token step is compiled, and once for every context: its key count is
+    passed as a number (dynamic), so one graph serves a run whatever its length, where a graph of
+    static shapes would attend the whole cache. Inductor freezes the weights (packing them itself,
+    so oneDNN-packed Linears of the layers are unpacked first), fuses the small ops between the
+    matmuls and calls its kernels from C++: a one-token step is many small ops, and Python's cost
+    per op is what compiling saves. It rounds to bf16 wherever eager code does, so the compiled
+    step gives the eager step's bits; blocks and trees run eagerly, and layouts.drafting_is_exact
+    checks that their rows still carry the compiled steps' bits here. The output head stays out of
+    the graph, as it is.
+    On CUDA the whole forward is compiled, attending the whole cache (one static graph per block
+    length); mode "reduce-overhead" adds CUDA graphs."""
     if target.embed_tokens.weight.device.type == "cpu":
-        unpack(target)
-        return torch.compile(target, dynamic=False, options={"freezing": True, "cpp_wrapper": True,
-                                                             "emulate_precision_casts": True})
+        unpack(target.layers)
+        target.one_token_trunk = torch.compile(target.trunk, dynamic=True, options={
+            "freezing": True, "cpp_wrapper": True, "emulate_precision_casts": True})
+        return target
+    target.attend_full_cache = True
     return torch.compile(target, dynamic=False, mode=mode)
 
 

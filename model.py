@@ -278,6 +278,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.max_seq_len = 0
         self.attend_full_cache = False  # set by torch.compile users: one static shape, no recompiles
+        self.one_token_trunk = None  # a compiled trunk for one-token steps (machine.compile_step, CPU)
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int):
         """Allocate the KV caches and the RoPE table for sequences of up to max_seq_len tokens."""
@@ -311,6 +312,18 @@ class Transformer(nn.Module):
             mask = attention_mask(input_pos, kv_len, key_valid, self.attend_full_cache)
         else:
             rope_pos, mask, row_keys, tree_moves = tree_attention(tree_parents, input_pos, kv_len)
+        # a plain one-token step (it attends its whole visible cache: no mask) takes the compiled
+        # trunk where there is one, with its key count passed as a number: one graph for every context
+        trunk = self.one_token_trunk if self.one_token_trunk is not None and mask is None else self.trunk
+        x, hidden = trunk(tokens, rope_pos, input_pos, kv_len, mask, row_keys, tree_moves, tuple(hidden_layers))
+        if last_logits_only:
+            x = x[:, -1:]
+        return self.lm_head(x), hidden
+
+    def trunk(self, tokens, rope_pos, input_pos, kv_len: int, mask=None, row_keys=None, tree_moves=None,
+              hidden_layers=()):
+        """The embedding, the decoder layers and the final norm, (B, T) tokens -> (B, T, dim), and
+        the hidden states named by hidden_layers; forward's arguments, worked out (attend's)."""
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]  # (T, head_dim)
         x = self.embed_tokens(tokens)  # (B, T, dim)
         hidden = {}
@@ -319,9 +332,7 @@ class Transformer(nn.Module):
                 hidden[i] = x
             x = layer(x, cos, sin, mask, input_pos, kv_len, row_keys, tree_moves)
         hidden[self.args.n_layer] = x
-        if last_logits_only:
-            x = x[:, -1:]
-        return self.lm_head(self.norm(x)), [hidden[i] for i in hidden_layers]
+        return self.norm(x), [hidden[i] for i in hidden_layers]
 
     def keep_path(self, path_slots: list, first_slot: int):
         """After a tree's verification: move the keys and values of the accepted nodes (at

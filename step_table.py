@@ -102,8 +102,8 @@ def decode_speed_table(names, device: str, layouts, compile_modes=(False, True),
                        context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30):
     """Per shape and weight layout: one decode step (eager, and compiled for the fp32 and int4 (CPU)
     or bf16 (CUDA) layouts when asked), against the bandwidth floor of the bytes that step reads, and
-    what verifying k+1 tokens costs against it (compiled: chains of up to 8 tokens only, as trees
-    run eager and each block length is a compile)."""
+    what verifying k+1 tokens costs against it (compiled on CUDA: chains of up to 8 tokens only, as
+    each block length is a compile there; a CPU's compiled run verifies eagerly)."""
     bandwidth = copy_bandwidth(device, copy_bytes)
     compilable = ("bfloat16",) if device.startswith("cuda") else ("float32", "int4")
     rows = []
@@ -135,10 +135,11 @@ def decode_speed_table(names, device: str, layouts, compile_modes=(False, True),
                 if False in compile_modes:
                     measure(net, None, verify_k)
                 if True in compile_modes and layout in compilable:
-                    net.attend_full_cache = True  # static shapes: one graph per query length
-                    cuda = device.startswith("cuda")  # CUDA graphs remove the per-kernel launch cost there
+                    # CUDA: static shapes, one graph per block length (CUDA graphs remove the per-kernel
+                    # launch cost there); a CPU compiles the one-token step and runs blocks eagerly
+                    cuda = device.startswith("cuda")
                     measure(compile_step(net, "reduce-overhead" if cuda else "default"),
-                            "reduce-overhead" if cuda else "freezing", [k for k in verify_k if k <= 7])
+                            "reduce-overhead" if cuda else "freezing", [k for k in verify_k if k <= 7 or not cuda])
             del net
             torch._dynamo.reset()  # drop the compiled graphs before the next layout
             if device.startswith("cuda"):

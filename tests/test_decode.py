@@ -240,16 +240,27 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
     assert got["tokens"] == want["tokens"] and got["target_forwards"] == want["target_forwards"]
 
 
-def test_compiled_int4_blocks_give_the_compiled_steps_bits(smollm2_dir):
-    """decode.py --dtype int4 --compile on: a compiled block's rows carry the bits of compiled
-    one-token steps (inductor rounding to bf16 where eager code does), on the default target's
-    first two layers, where the second layer's rows parted without that."""
+def test_compiled_int4_steps_give_the_eager_blocks_bits(smollm2_dir):
+    """decode.py --dtype int4 --compile on: one-token steps run a compiled trunk (inductor rounding
+    to bf16 where eager code does), blocks run eagerly, and a block's rows carry the compiled steps'
+    bits, on the default target's first two layers; the compiled step gives the eager step's logits
+    at two context lengths (one graph: the key count is dynamic)."""
     from layouts import blocks_match_steps, build_target, drafting_is_exact
+    eager = build_target(smollm2_dir, "int4", "cpu", 128, n_layer=2)
     target = build_target(smollm2_dir, "int4", "cpu", 128, n_layer=2)
     step = compile_step(target)
-    assert all(type(m) is not M.PackedLinear for m in target.modules())  # unpacked for inductor
+    assert step is target and target.one_token_trunk is not None
+    assert type(target.lm_head) is M.PackedLinear  # the head stays out of the graph, as it is
     assert blocks_match_steps(target, 4, trials=1, step=step)
     assert drafting_is_exact(target, 4, step)
+    tokens = torch.randint(0, target.args.vocab_size, (1, 90), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        for n in (40, 89):
+            for model in (eager, target):
+                model(tokens[:, :n], torch.arange(n))
+            want, _ = eager(tokens[:, n:n + 1], torch.tensor([n]))
+            got, _ = target(tokens[:, n:n + 1], torch.tensor([n]))
+            assert torch.equal(got, want), n
 
 
 def test_auto_threads_leave_a_busy_core_alone():
