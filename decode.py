@@ -422,13 +422,22 @@ def encode_prompts(args, tokenizer, context: int, verifier: Verifier) -> list:
 def run_draft(args, target, tokenizer, generator, step_fn=None):
     """The run's draft, or None. Where the layout's blocks (in the run's forward step_fn, default
     the target's own) are not exact here, the default decodes plainly (drafting would change the
-    output) and a draft asked for is run with a warning."""
+    output) and a draft asked for is run with a warning. So it does where a CPU run compiles its
+    one-token steps (machine.compile_step) and verifies with eager blocks: inductor's kernels
+    compute some functions (exp, rsqrt) to other last bits than eager code, and now and then a
+    value rounds to another bf16, so a block's row can part from the compiled step's."""
     if args.verifier == "none":
         return None
-    if not drafting_is_exact(target, args.num_draft_tokens + 1, step_fn):
-        print(f"note: on this CPU {target.layout} blocks do not give the bits of one-token steps, so drafting "
-              f"changes the output" + (": decoding plainly" if args.default_draft else "") +
-              " (--dtype float32 drafts exactly)", file=sys.stderr)
+    if target.one_token_trunk is not None:
+        why, remedy = "--compile on compiles one-token steps only, and blocks round a few values otherwise", \
+            "--compile off"
+    elif not drafting_is_exact(target, args.num_draft_tokens + 1, step_fn):
+        why, remedy = f"on this CPU {target.layout} blocks do not give the bits of one-token steps", "--dtype float32"
+    else:
+        why = None
+    if why:
+        print(f"note: {why}, so drafting changes the output" + (": decoding plainly" if args.default_draft else "") +
+              f" ({remedy} drafts exactly)", file=sys.stderr)
         if args.default_draft:
             args.verifier, args.draft = "none", None
             return None

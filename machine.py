@@ -86,10 +86,11 @@ def compile_step(target, mode: str = "default"):
     static shapes would attend the whole cache. Inductor freezes the weights (packing them itself,
     so oneDNN-packed Linears of the layers are unpacked first), fuses the small ops between the
     matmuls and calls its kernels from C++: a one-token step is many small ops, and Python's cost
-    per op is what compiling saves. It rounds to bf16 wherever eager code does, so the compiled
-    step gives the eager step's bits; blocks and trees run eagerly, and layouts.drafting_is_exact
-    checks that their rows still carry the compiled steps' bits here. The output head stays out of
-    the graph, as it is.
+    per op is what compiling saves. It rounds to bf16 wherever eager code does, yet its kernels
+    compute some functions (exp, rsqrt) to other last bits than eager code, so now and then a value
+    rounds to another bf16 and the compiled step parts from the eager one: blocks and trees, which
+    run eagerly, do not carry its bits, and decode.py does not draft by default when compiled on a
+    CPU. The output head stays out of the graph, as it is.
     On CUDA the whole forward is compiled, attending the whole cache (one static graph per block
     length); mode "reduce-overhead" adds CUDA graphs."""
     if target.embed_tokens.weight.device.type == "cpu":

@@ -240,27 +240,41 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
     assert got["tokens"] == want["tokens"] and got["target_forwards"] == want["target_forwards"]
 
 
-def test_compiled_int4_steps_give_the_eager_blocks_bits(smollm2_dir):
-    """decode.py --dtype int4 --compile on: one-token steps run a compiled trunk (inductor rounding
-    to bf16 where eager code does), blocks run eagerly, and a block's rows carry the compiled steps'
-    bits, on the default target's first two layers; the compiled step gives the eager step's logits
-    at two context lengths (one graph: the key count is dynamic)."""
-    from layouts import blocks_match_steps, build_target, drafting_is_exact
+def test_compiled_int4_step_is_the_eager_step_to_rounding(smollm2_dir):
+    """decode.py --dtype int4 --compile on: one-token steps run a compiled trunk, one graph for every
+    context (the key count is dynamic), with the eager step's logits up to bf16 rounding; blocks
+    run eagerly, through the packed head, as before."""
+    from layouts import build_target
     eager = build_target(smollm2_dir, "int4", "cpu", 128, n_layer=2)
     target = build_target(smollm2_dir, "int4", "cpu", 128, n_layer=2)
     step = compile_step(target)
     assert step is target and target.one_token_trunk is not None
     assert type(target.lm_head) is M.PackedLinear  # the head stays out of the graph, as it is
-    assert blocks_match_steps(target, 4, trials=1, step=step)
-    assert drafting_is_exact(target, 4, step)
     tokens = torch.randint(0, target.args.vocab_size, (1, 90), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.utils.counters.clear()
     with torch.inference_mode():
         for n in (40, 89):
             for model in (eager, target):
                 model(tokens[:, :n], torch.arange(n))
             want, _ = eager(tokens[:, n:n + 1], torch.tensor([n]))
             got, _ = target(tokens[:, n:n + 1], torch.tensor([n]))
-            assert torch.equal(got, want), n
+            torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.05)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1  # (none if cached from another test)
+
+
+def test_a_compiled_cpu_run_decodes_plainly_by_default(tiny, capsys):
+    """Compiled one-token steps and eager blocks may round a value apart, so with --compile on a CPU
+    the default does not draft (and says so), and a draft asked for runs with a warning."""
+    from decode import get_args, run_draft
+    target = load(tiny)
+    target.one_token_trunk, target.layout = target.trunk, "float32"  # (compile_step installs it compiled)
+    tokenizer = None
+    args = get_args(["--compile", "on"])
+    assert run_draft(args, target, tokenizer, None) is None and args.verifier == "none"
+    assert "--compile on compiles one-token steps only" in capsys.readouterr().err
+    args = get_args(["--compile", "on", "--draft", "lookup"])
+    assert run_draft(args, target, tokenizer, None) is not None
+    assert "drafting changes the output (--compile off drafts exactly)" in capsys.readouterr().err
 
 
 def test_auto_threads_leave_a_busy_core_alone():
