@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modu
 
 import torch
 
-import speed
 import model as M
 import peers
+import speed
 from decode import DECODE_K
 from files import DATA, ROOT, read_json_object, repo_relative, write_atomically
 from layouts import CPU_FEATURES, load_target
