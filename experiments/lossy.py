@@ -41,7 +41,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modules, one folder up
 
 import torch
+from lossy_figures import plots
 from sandbox import SandboxError, check_sandbox
+from sweep import CONFIGS, TREE_SUFFIX, TREE_VERSIONS, verifier_of
 from tasks import correct, load_problems
 from tqdm import tqdm
 
@@ -51,45 +53,12 @@ from decode import generate
 from files import ROOT, repo_path
 from layouts import experiment_layout, load_target
 from machine import default_device, machine_problem, pick_threads
-from results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
+from results import figures_beside, machine_stamp, shown, unwritable, write_results
 from stats import paired_difference, problems_for_power, rank_correlation, wilson
 from verify import Verifier, induced, own_distribution
 from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
 
 GSM8K_DRAFT = ROOT / "drafts" / "smollm2-135m-eagle3-gsm8k"  # the strongest draft for answers with numbers
-
-# The sweep: at least four settings per lossy family, from near the target to lenient, next to
-# lossless speculative sampling and plain sampling (the two exact references).
-SWEEP = [None, Verifier("lossless")] + \
-        [Verifier("minp", p_base=v) for v in (0.3, 0.1, 0.05, 0.02)] + \
-        [Verifier("eta", eps=v) for v in (3e-4, 0.01, 0.09, 0.3)] + \
-        [Verifier("cos", lam=v) for v in (0.9, 0.75, 0.5, 0.25)] + \
-        [Verifier("lenience", lenience=v) for v in (0.9, 0.75, 0.5, 0.25)] + \
-        [Verifier("overshoot", lam=lam, ceiling=c) for lam in (0.5, 0.25) for c in (2.0, 4.0)]  # None: plain
-PARAMETER = {"minp": "p_base", "eta": "eps", "cos": "lam", "lenience": "lenience"}
-
-
-def config_label(verifier: Verifier | None) -> str:
-    if verifier is None:
-        return "plain sampling"
-    if verifier.name == "overshoot":
-        return f"overshoot lam={verifier.lam:g} c={verifier.ceiling:g}"
-    name = PARAMETER.get(verifier.name)
-    return verifier.name + (f" {name}={getattr(verifier, name):g}" if name else "")
-
-
-CONFIGS = {config_label(v): v for v in SWEEP}
-# With --tree N these configurations (lossless and at least one per lossy family) also run with draft
-# trees of N tokens, labelled "<configuration> tree", paired with their chains on the same problems.
-# The tree's children at T > 0 are drawn without replacement from the draft (verify.py's tree rule).
-TREE_VERSIONS = ("lossless", "minp p_base=0.3", "eta eps=0.3", "cos lam=0.9", "lenience lenience=0.75",
-                 "overshoot lam=0.5 c=2")
-TREE_SUFFIX = " tree"
-
-
-def verifier_of(label: str) -> Verifier | None:
-    return CONFIGS[label.removesuffix(TREE_SUFFIX)]
-
 
 # -----------------------------------------------------------------------------
 # Distortion along a trajectory
@@ -309,112 +278,6 @@ def power_note(summary: dict) -> dict:
                         "problems_for_5_points": problems_for_power(median, 0.05),
                         "detectable_difference": detectable}
     return notes
-
-
-# -----------------------------------------------------------------------------
-# Figures: the paper's, in kind
-
-def plots(summary: dict, out_dir: Path, stem: str) -> list:
-    """Draw the figures that the run's configurations allow; returns the files written."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    levels = [lv for lv in summary if lv != "all"]
-    pooled = summary["all" if "all" in summary else levels[0]]
-    pooled = {label: s for label, s in pooled.items() if not label.endswith(TREE_SUFFIX)}  # (chains only)
-    families = list(dict.fromkeys(label.split()[0] for label in pooled if label.split()[0] in
-                                  ("minp", "eta", "cos", "lenience", "overshoot")))
-    truncation = [f for f in families if f in ("minp", "eta")]
-    figures = {"accuracy-by-level": len(levels) > 1 and families and accuracy_by_level,
-               "tradeoff": tradeoff, "truncation-efficiency": truncation and truncation_efficiency,
-               "distortion": families and distortion}
-    written = []
-    for name, draw in figures.items():
-        if draw:
-            fig = draw(plt, summary, levels, pooled, families)
-            fig.tight_layout()
-            written.append(out_dir / f"{stem}-{name}.png")
-            save_figure(fig, written[-1])
-    plt.close("all")
-    return written
-
-
-def accuracy_by_level(plt, summary, levels, pooled, families):
-    """The paper's Figure 1: accuracy against difficulty, a panel per family, lossless on each."""
-    fig, axes = plt.subplots(1, len(families), figsize=(3.3 * len(families), 3.6), sharey=True, squeeze=False)
-    for ax, family in zip(axes[0], families):
-        for label, style in (("lossless", "k-"), ("plain sampling", "k:")):
-            if label in pooled:
-                ax.plot(range(len(levels)), [summary[lv][label]["accuracy"] for lv in levels], style, lw=1.5,
-                        label=label)
-        for label in (lb for lb in pooled if lb.split()[0] == family):
-            ax.plot(range(len(levels)), [summary[lv][label]["accuracy"] for lv in levels], "o-", ms=3,
-                    label=label.removeprefix(family + " "))
-        ax.set_xticks(range(len(levels)), levels, rotation=30, ha="right", fontsize=7)
-        ax.set_title(family)
-        ax.legend(fontsize=6)
-    axes[0, 0].set_ylabel("accuracy")
-    return fig
-
-
-def tradeoff(plt, summary, levels, pooled, families):
-    """The paper's Figure 3: block efficiency against accuracy, a curve per family, levels pooled."""
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for group in curves(pooled, ["lossless", "plain"] + families):
-        errorbar(ax, sorted((s for lb, s in pooled.items() if lb == group or lb.startswith(group + " ")),
-                            key=lambda s: s["block_efficiency"]), group)
-    ax.set_xlabel("block efficiency (tokens per target forward)")
-    ax.set_ylabel("accuracy (all levels)")
-    ax.legend(fontsize=7)
-    return fig
-
-
-def truncation_efficiency(plt, summary, levels, pooled, families):
-    """The paper's Figure 5: truncation block efficiency against its parameter, per level."""
-    truncation = [f for f in families if f in ("minp", "eta")]
-    fig, axes = plt.subplots(1, len(truncation), figsize=(4.2 * len(truncation), 3.6), squeeze=False)
-    for ax, family in zip(axes[0], truncation):
-        labels = sorted((lb for lb in pooled if lb.split()[0] == family),
-                        key=lambda lb: getattr(CONFIGS[lb], PARAMETER[family]))
-        xs = [getattr(CONFIGS[lb], PARAMETER[family]) for lb in labels]
-        for level in levels + (["all"] if "all" in summary else []):
-            ax.plot(xs, [summary[level][lb]["block_efficiency"] for lb in labels], "o-", ms=3, label=level,
-                    lw=2.5 if level == "all" else 1)
-        if "lossless" in pooled:
-            ax.axhline(pooled["lossless"]["block_efficiency"], color="k", lw=1, label="lossless (all)")
-        ax.set_xscale("log")
-        ax.set_xlabel(PARAMETER[family])
-        ax.set_ylabel("block efficiency")
-        ax.set_title(family)
-        ax.legend(fontsize=6)
-    return fig
-
-
-def distortion(plt, summary, levels, pooled, families):
-    """Distortion against block efficiency: what each token gained costs, per family."""
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for group in curves(pooled, families):
-        rs = sorted((s for lb, s in pooled.items() if lb.startswith(group + " ")), key=lambda s: s["block_efficiency"])
-        ax.plot([s["block_efficiency"] for s in rs], [s["tv"] for s in rs], "o-", ms=3, label=group)
-    if "lossless" in pooled:
-        ax.plot(pooled["lossless"]["block_efficiency"], pooled["lossless"]["tv"], "ks", label="lossless")
-    ax.set_xlabel("block efficiency (tokens per target forward)")
-    ax.set_ylabel("mean total variation from p per token")
-    ax.legend(fontsize=7)
-    return fig
-
-
-def curves(pooled: dict, families: list) -> list:
-    """The curves of a figure: a family's settings joined, overshoot's once per lam ('plain' is the
-    plain-sampling point, 'lossless' the lossless one)."""
-    groups = [lb.rsplit(" ", 1)[0] if lb.startswith("overshoot") else lb.split()[0] for lb in pooled]
-    return [g for g in dict.fromkeys(groups) if g.split()[0] in families]
-
-
-def errorbar(ax, rows: list, label: str):
-    ax.errorbar([s["block_efficiency"] for s in rows], [s["accuracy"] for s in rows],
-                yerr=[[s["accuracy"] - s["ci95"][0] for s in rows], [s["ci95"][1] - s["accuracy"] for s in rows]],
-                fmt="o-" if len(rows) > 1 else "s", ms=4, capsize=2, alpha=0.85, label=label)
 
 
 # -----------------------------------------------------------------------------
