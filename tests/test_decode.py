@@ -262,6 +262,15 @@ def test_compiled_int4_step_is_the_eager_step_to_rounding(smollm2_dir):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1  # (none if cached from another test)
 
 
+@pytest.mark.slow  # the default target's step compiles (about a minute the first time)
+def test_decode_compile_on_compiles_before_the_prompt_and_decodes_plainly():
+    r = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--compile", "on", "--max-new-tokens", "12",
+                        "--prompt", "Name three colours."], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "the one-token step compiled in" in r.stderr and "decoding plainly" in r.stderr
+    assert "[plain decoding, T=0" in r.stderr and r.stdout.strip()
+
+
 def test_a_compiled_cpu_run_decodes_plainly_by_default(tiny, capsys):
     """Compiled one-token steps and eager blocks may round a value apart, so with --compile on a CPU
     the default does not draft (and says so), and a draft asked for runs with a warning."""
