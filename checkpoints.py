@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+import linear_forms as LF
 import model as M
 from dflash import DFlash, DFlashDraft, dflash_target_layers
 from draft import HybridDraft, LookupDraft, ModelDraft
@@ -381,7 +382,7 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
         if found != kind:
             raise ValueError(f"{path} holds a {found} draft, not {kind}")
         if pack:  # inference only: oneDNN's layout reads a draft's small matmuls faster
-            M.pack_for_cpu(net)
+            LF.pack_for_cpu(net)
         if early_exit == "auto":
             early_exit = recorded_threshold(path)
         if kind == "eagle3":
@@ -399,5 +400,5 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
         raise ValueError(f"draft {spec} tokenizes text differently from the target")
     draft_model.setup_caches(1, target.max_seq_len)
     if pack:
-        M.pack_for_cpu(draft_model)
+        LF.pack_for_cpu(draft_model)
     return ModelDraft(draft_model, **sampling)

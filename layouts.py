@@ -16,7 +16,7 @@ step's speed is what it can never fall below. The same probe then times blocks o
 the chosen layout: the table AdaptiveDraft weighs a block's cost against its expected tokens with.
 
 Decisions are kept in LAYOUT_CACHE, whole (written atomically) and only when nothing else kept a
-core busy while they were timed, keyed by model.py's digest too: new step code is timed anew.
+core busy while they were timed, keyed by the step code's digest too: new step code is timed anew.
 """
 import hashlib
 import json
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import linear_forms as LF
 import model as M
 from files import write_atomically
 from machine import machine_is_quiet, machine_problem
@@ -38,7 +39,7 @@ from weights import cache_dir, load_model, read_config, resolve_model
 # -----------------------------------------------------------------------------
 # The layouts
 
-# "-packed": oneDNN's blocked layout (model.PackedLinear). Coarse layouts (bf16, int8, int4) attend
+# "-packed": oneDNN's blocked layout (linear_forms.PackedLinear). Coarse layouts (bf16, int8, int4) attend
 # verification blocks row by row, so greedy speculation stays exact (model.py). int8 and int4
 # change the model (README: their cost in quality) and are opt-in, except that int4 is a candidate
 # for --dtype auto where the weights already are 4-bit codes in groups of 32 at their source (the
@@ -60,13 +61,13 @@ def apply_layout(model: M.Transformer, layout: str, device: str) -> M.Transforme
     if layout not in LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; one of {', '.join(LAYOUTS)}")
     if layout == "int8":
-        M.quantize_int8(model)
+        LF.quantize_int8(model)
     elif layout == "int4":
-        M.quantize_int4(model)  # from the fp32 weights, then the rest in bf16
+        LF.quantize_int4(model)  # from the fp32 weights, then the rest in bf16
     elif layout.endswith("-packed"):
-        M.pack_for_cpu(model)
+        LF.pack_for_cpu(model)
     if layout.startswith("bfloat16") and device == "cpu":
-        M.attend_row_by_row(model)
+        LF.attend_row_by_row(model)
     model.layout = layout
     return model
 
@@ -101,18 +102,18 @@ def int4_fits(config: dict) -> bool:
     heads, kv = config.get("num_attention_heads", 1), config.get("num_key_value_heads") or config.get(
         "num_attention_heads", 1)
     head_dim = config.get("head_dim") or dim // max(heads, 1)
-    return all(isinstance(v, int) and v > 0 for v in (dim, hidden)) and dim % M.INT4_GROUP == 0 and \
-        hidden % M.INT4_GROUP == 0 and (heads * head_dim) % M.INT4_GROUP == 0 and (heads + 2 * kv) * head_dim % 16 == 0
+    return all(isinstance(v, int) and v > 0 for v in (dim, hidden)) and dim % LF.INT4_GROUP == 0 and \
+        hidden % LF.INT4_GROUP == 0 and (heads * head_dim) % LF.INT4_GROUP == 0 and (heads + 2 * kv) * head_dim % 16 == 0
 
 
 def layout_candidates(path: Path) -> list:
     """The layouts --dtype auto times on this CPU: fp32 and, where oneDNN has bf16 kernels here,
     bf16, each packed and not; int4 where the weights are 4-bit at their source."""
     candidates = ["float32-packed", "float32"]
-    if M.packable(torch.bfloat16):
+    if LF.packable(torch.bfloat16):
         candidates += ["bfloat16-packed", "bfloat16"]
         config = read_config(path)
-        if config.get("source_quantization", {}).get("group_size") == M.INT4_GROUP and int4_fits(config):
+        if config.get("source_quantization", {}).get("group_size") == LF.INT4_GROUP and int4_fits(config):
             candidates.append("int4")
     return candidates
 
@@ -121,7 +122,7 @@ def layout_problem(path: Path, layout: str) -> str | None:
     """Why the model at `path` cannot run in `layout`, or None."""
     config = read_config(path) if layout == "int4" else {}
     if config and not int4_fits(config):
-        return (f"--dtype int4 needs layer widths in multiples of {M.INT4_GROUP} (the model at {path} has "
+        return (f"--dtype int4 needs layer widths in multiples of {LF.INT4_GROUP} (the model at {path} has "
                 f"hidden_size {config.get('hidden_size')}, intermediate_size {config.get('intermediate_size')}): "
                 f"use another --dtype")
     return None
@@ -232,11 +233,11 @@ def inexact_blocks(probe: M.Transformer) -> list:
 
 def cache_key(path: Path, what: str) -> str:
     """What a kept decision holds for: the CPU, torch, threads, the model, and the step's code
-    (model.py's digest: a decision timed on other code is timed again)."""
+    (model.py's and linear_forms.py's digest: a decision timed on other code is timed again)."""
     cpu = cpu_description()
-    step_code = hashlib.sha1(Path(M.__file__).read_bytes()).hexdigest()[:10]
+    step_code = hashlib.sha1(b"".join(Path(m.__file__).read_bytes() for m in (M, LF))).hexdigest()[:10]
     return " | ".join([cpu["cpu"], ",".join(cpu["cpu_features"]), f"torch {torch.__version__}",
-                       f"{torch.get_num_threads()} threads", str(Path(path).resolve()), what, f"model.py {step_code}"])
+                       f"{torch.get_num_threads()} threads", str(Path(path).resolve()), what, f"step code {step_code}"])
 
 
 def read_cache() -> dict:
@@ -402,7 +403,7 @@ def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int):
 def block_cost_model(table: dict, rows_attend_apart: bool):
     """cost(n, context): a forward verifying n drafted tokens after `context` cached ones, in
     one-token steps at that context. A block's rows each attend over the whole context where they
-    attend one at a time (model.attend_row_by_row), so at long context a block costs more steps."""
+    attend one at a time (linear_forms.attend_row_by_row), so at long context a block costs more steps."""
     blocks_ms, per_key = table["blocks_ms"], float(table["attention_ms_per_key"])
     costs = block_costs(blocks_ms, max(BLOCKS))  # (past the largest timed block: extrapolated)
     one = float(blocks_ms["1"])
@@ -466,5 +467,5 @@ def target_layout(dtype: str | None, device: str, compiled: bool, pack: bool = T
         return "bfloat16" if dtype == "auto" else dtype
     if dtype == "auto":
         return "auto"
-    packs = pack and not compiled and dtype in ("float32", "bfloat16") and M.packable(getattr(torch, dtype))
+    packs = pack and not compiled and dtype in ("float32", "bfloat16") and LF.packable(getattr(torch, dtype))
     return f"{dtype}-packed" if packs else dtype

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-import model as M
+import linear_forms as LF
 
 
 def default_device() -> str:
@@ -66,10 +66,10 @@ def wants_compile(flag: str, device: str) -> bool:
 def unpack(model: torch.nn.Module) -> torch.nn.Module:
     """Swap every PackedLinear back for an nn.Linear of its dtype (in place): torch.compile cannot
     read oneDNN's blocked tensors, and with weight freezing it packs the weights itself."""
-    for module in [m for m in model.modules() if any(type(c) is M.PackedLinear for c in m.children())]:
+    for module in [m for m in model.modules() if any(type(c) is LF.PackedLinear for c in m.children())]:
         for name, child in list(module.named_children()):
-            if type(child) is M.PackedLinear:
-                weight = M.dense_weight(child)
+            if type(child) is LF.PackedLinear:
+                weight = LF.dense_weight(child)
                 linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=child.bias is not None,
                                          device="meta", dtype=weight.dtype)
                 linear.weight = torch.nn.Parameter(weight, requires_grad=False)

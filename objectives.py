@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-import model as M
+import linear_forms as LF
 from corpus import corpus_layers
 from dflash import DFlash, dflash_blocks
 from eagle3 import Eagle3, eagle3_chains
@@ -159,7 +159,7 @@ def eagle3_target_side(net: Eagle3, target, batch):
             logp = F.log_softmax(logits.float(), -1)[..., net.draft_to_target()]
             return features, logp, logits.argmax(-1)
         features, final, lse, top = captured
-        rows = M.dense_weight(target.lm_head)[net.draft_to_target()].float()  # (Vd, dim)
+        rows = LF.dense_weight(target.lm_head)[net.draft_to_target()].float()  # (Vd, dim)
         logp = F.linear(final.float(), rows) - lse[..., None]  # (B, T, Vd), normalized over all V
         return captured_features(features, net.target_layers, target), logp, top.long()
 
@@ -192,7 +192,7 @@ def dflash_loss(net: DFlash, target, batch, settings: LossSettings, blocks_per_s
     anchors = sample_anchors(response, blocks_per_seq)  # (B, nb)
     # the target's lm_head as a plain matmul: a packed CPU weight has no autograd, and the draft's
     # gradient must flow through it
-    lm_weight = M.dense_weight(target.lm_head)
+    lm_weight = LF.dense_weight(target.lm_head)
     logits, heads = dflash_blocks(net, target.embed_tokens, lambda x: F.linear(x, lm_weight), tokens,
                                   features, anchors)
     pos = anchors[..., None] + torch.arange(1, bs, device=tokens.device)  # (B, nb, bs-1) predicted positions

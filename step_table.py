@@ -12,6 +12,7 @@ import time
 import torch
 from tqdm import tqdm
 
+import linear_forms as LF
 import model as M
 from files import DATA, read_jsonl
 from layouts import LAYOUTS, apply_layout, block_cost_model, layout_dtype, load_target
@@ -84,7 +85,7 @@ def bytes_read_per_step(net: M.Transformer) -> int:
         if path == "embed_tokens" or isinstance(module, M.KVCache):
             continue
         own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-        if isinstance(module, M.PackedLinear):  # its weight and bias are plain attributes
+        if isinstance(module, LF.PackedLinear):  # its weight and bias are plain attributes
             own.update(weight=module.weight, bias=module.bias)
         for name, t in own.items():
             if t is not None and not (path == "" and name.startswith("rope_")):
@@ -95,7 +96,7 @@ def bytes_read_per_step(net: M.Transformer) -> int:
 def cpu_layouts() -> list:
     """The layouts the CPU decode table times: every one load_target builds but float16."""
     return [layout for layout in LAYOUTS if layout != "float16" and
-            not (layout == "bfloat16-packed" and not M.packable(torch.bfloat16))]
+            not (layout == "bfloat16-packed" and not LF.packable(torch.bfloat16))]
 
 
 def decode_speed_table(names, device: str, layouts, compile_modes=(False, True), verify_k=(3, 5, 7),

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import linear_forms as LF
 import model as M
 from checkpoints import (checkpoint_dirs, draft_kind, latest_checkpoint, load_draft, read_log,
                          save_checkpoint, save_draft)
@@ -289,7 +290,7 @@ def build_draft_net(args, target, data):
         net.d2t.copy_(d2t)
         net.t2d.copy_(t2d)
         with torch.no_grad():  # start the draft's head from the target's rows for its vocabulary
-            net.lm_head.weight.copy_(M.dense_weight(target.lm_head)[net.draft_to_target()].float())
+            net.lm_head.weight.copy_(LF.dense_weight(target.lm_head)[net.draft_to_target()].float())
             net.norm.weight.copy_(target.norm.weight.float())
         return net
     # DFlash's released drafts use 5 layers for 4B-8B targets; on a small target (dim < 2048) 5

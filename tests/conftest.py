@@ -18,6 +18,7 @@ import layouts as LY  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))  # lossy, report, ...
 
+import linear_forms as LF  # noqa: E402
 import model as M  # noqa: E402
 from eagle3 import Eagle3, eagle3_target_layers
 from dflash import DFlash, dflash_target_layers
@@ -158,7 +159,7 @@ def models(tmp_path_factory):
     def load(path, int8=False):
         m = WT.load_model(path)
         m.setup_caches(1, 64)
-        return M.quantize_int8(m) if int8 else m
+        return LF.quantize_int8(m) if int8 else m
     return {"target": load(target_dir), "int8": load(target_dir, int8=True), "draft_dir": draft_dir,
             "load": load}
 

@@ -13,6 +13,7 @@ import lossy
 import checkpoints as CK
 import weights as WT
 import files as FL
+import linear_forms as LF
 import model as M
 from checkpoints import load_draft, save_draft
 from files import ROOT
@@ -253,8 +254,8 @@ def test_int4_knows_which_models_it_can_take(tmp_path):
     assert LY.layout_problem(tmp_path, "float32") is None
     linear = torch.nn.Linear(64, 200)  # 200 outputs: not a multiple of 16, stays bf16 (packed)
     model = torch.nn.Sequential(linear, torch.nn.Linear(64, 64))
-    M.quantize_int4(model)
-    assert not isinstance(model[0], M.Int4Linear) and isinstance(model[1], M.Int4Linear)
+    LF.quantize_int4(model)
+    assert not isinstance(model[0], LF.Int4Linear) and isinstance(model[1], LF.Int4Linear)
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-42, 1e-30])

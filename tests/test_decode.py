@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import weights as WT
-import model as M
+import linear_forms as LF
 from files import ROOT
 from machine import compile_step
 from decode import generate
@@ -20,7 +20,7 @@ from verify import Verifier, probs_from_logits
 def load(path, batch=1, int8=False):
     m = WT.load_model(path)
     m.setup_caches(batch, 256)
-    return M.quantize_int8(m) if int8 else m
+    return LF.quantize_int8(m) if int8 else m
 
 
 class WrongDraft(ModelDraft):
@@ -249,7 +249,7 @@ def test_compiled_int4_step_is_the_eager_step_to_rounding(smollm2_dir):
     target = build_target(smollm2_dir, "int4", "cpu", 128, n_layer=2)
     step = compile_step(target)
     assert step is target and target.one_token_trunk is not None
-    assert type(target.lm_head) is M.PackedLinear  # the head stays out of the graph, as it is
+    assert type(target.lm_head) is LF.PackedLinear  # the head stays out of the graph, as it is
     tokens = torch.randint(0, target.args.vocab_size, (1, 90), generator=torch.Generator().manual_seed(1))
     torch._dynamo.utils.counters.clear()
     with torch.inference_mode():

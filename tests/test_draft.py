@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import checkpoints as CK
 import weights as WT
 import files as FL
+import linear_forms as LF
 import model as M
 from checkpoints import load_draft, save_draft
 from decode import generate
@@ -268,8 +269,8 @@ def test_packed_drafts_propose_what_plain_ones_do(target, kind):
     net = eagle3_net(target) if kind == "eagle3" else dflash_net(target)
     prompt = [5, 6, 7, 8, 9, 10, 11]
     feats = features(target, torch.tensor([prompt[:-1]]), net.target_layers)[0]
-    packed = M.pack_for_cpu(copy.deepcopy(net))
-    assert any(isinstance(m, M.PackedLinear) for m in packed.modules())
+    packed = LF.pack_for_cpu(copy.deepcopy(net))
+    assert any(isinstance(m, LF.PackedLinear) for m in packed.modules())
     outs = []
     for n in (net, packed):
         g = torch.Generator().manual_seed(0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import layouts as LY
-import model as M
+import linear_forms as LF
 import weights as WT
 from files import ROOT
 from tokenizer import load_tokenizer
@@ -89,7 +89,7 @@ def test_where_the_fastest_layout_drafts_inexactly_the_default_decodes_plainly(s
     fake_timing(monkeypatch, {"bfloat16-packed": 0.5, "bfloat16": 1.0, "float32-packed": 2.0}, [])
     monkeypatch.setattr(LY, "blocks_match_steps", lambda target, block, trials=3, step=None: target.layout != "bfloat16-packed")
     choice = LY.choose_layout(six_layers)
-    if not M.packable(torch.bfloat16):
+    if not LF.packable(torch.bfloat16):
         assert choice["layout"] == "float32-packed" and choice["inexact"] == []
         return
     assert choice["layout"] == "bfloat16-packed" and choice["inexact"] == ["bfloat16-packed"]
@@ -230,6 +230,6 @@ def test_layout_flags(tiny_dir):
         LY.target_layout("int8", "cpu", True)
     config = json.loads((tiny_dir("llama3") / "config.json").read_text())
     assert "source_quantization" not in config
-    if M.packable(torch.bfloat16):
+    if LF.packable(torch.bfloat16):
         converted = WT.resolve_model(WT.DEFAULT_TARGET)
         assert "int4" in LY.layout_candidates(converted)

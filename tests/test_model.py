@@ -5,6 +5,7 @@ import torch
 
 import weights as WT
 import layouts as LY
+import linear_forms as LF
 import model as M
 from tokenizer import load_tokenizer
 
@@ -18,7 +19,7 @@ def hf_model(path):
 def ours(path, max_seq_len=128, pack=False):
     m = WT.load_model(path)
     m.setup_caches(4, max_seq_len)
-    return M.pack_for_cpu(m) if pack else m
+    return LF.pack_for_cpu(m) if pack else m
 
 
 @pytest.mark.parametrize("kind,shard", [("llama3", False), ("qwen3_tied", False), ("qwen3_untied", True),
@@ -69,13 +70,13 @@ def test_kv_cache_incremental_equals_full_and_rewinds(tiny_dir, pack):
 def test_int8_linear_is_close_to_fp32_and_exact_per_row():
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True)
-    q = M.Int8Linear(linear)
+    q = LF.Int8Linear(linear)
     x = torch.randn(5, 3, 64)
     ref = linear(x)
     assert ((q(x) - ref).norm() / ref.norm()).item() < 0.02  # int8 weights and activations: about 1%
     # each row depends on itself alone: the same token alone or in a block gives the same bits
     assert all(torch.equal(q(x[:, i:i + 1]), q(x)[:, i:i + 1]) for i in range(3))
-    assert torch.allclose(M.dense_weight(q), linear.weight, atol=linear.weight.abs().max().item() / 127)
+    assert torch.allclose(LF.dense_weight(q), linear.weight, atol=linear.weight.abs().max().item() / 127)
 
 
 def test_int4_linear_keeps_4bit_codes_and_is_exact_per_row():
@@ -88,8 +89,8 @@ def test_int4_linear_keeps_4bit_codes_and_is_exact_per_row():
     codes[..., 0], codes[..., 1] = 0, 15  # Q4_1 maps a block's min to code 0 and its max to 15
     linear = torch.nn.Linear(64, 48, bias=True)
     linear.weight.data = (codes * step + low).view(48, 64)
-    q = M.Int4Linear(linear)
-    error = (M.dense_weight(q) - linear.weight).abs().view(48, 2, 32) / step
+    q = LF.Int4Linear(linear)
+    error = (LF.dense_weight(q) - linear.weight).abs().view(48, 2, 32) / step
     assert error.max() < 0.5  # within half a step of the right code: a wrong code is a whole step off
     x = torch.randn(5, 3, 64)
     ref = linear(x)

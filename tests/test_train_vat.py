@@ -14,6 +14,7 @@ from test_draft import dflash_net, eagle3_net
 import corpus as C
 import checkpoints as CK
 import weights as WT
+import linear_forms as LF
 import model as M
 from checkpoints import load_draft
 from files import ROOT
@@ -222,7 +223,7 @@ def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, 
     for pack in (False, True):
         target = WT.load_model(tiny_dir("qwen3_untied"))
         if pack:
-            M.pack_for_cpu(target)
+            LF.pack_for_cpu(target)
         target.setup_caches(2, 40)
         net = (eagle3_net(target) if kind == "eagle3" else dflash_net(target, block=4)).train()
         torch.manual_seed(0)  # the same tokens and DFlash anchors both times
