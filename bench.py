@@ -269,8 +269,9 @@ def check_and_complete(ap, args):
     args.categories = args.categories.split(",") if args.categories else None
     args.compile = wants_compile(args.compile, args.device)
     if args.compile and args.device == "cpu" and args.drafts and not args.speed_off:
-        print("note: with --compile on a CPU the one-token steps are compiled and blocks are not; they round a few "
-              "values apart, so the drafts' runs may part from plain decoding (prompts_with_the_baseline_tokens)", file=sys.stderr)
+        print("note: with --compile on a CPU the one-token steps are compiled and blocks are not; they round a "
+              "few values apart, so the drafts' runs may part from plain decoding "
+              "(prompts_with_the_baseline_tokens)", file=sys.stderr)
     table = {"auto": "qwen3-4b,llama-3.1-8b" if args.device.startswith("cuda") else "", "none": ""}
     args.decode_table = [n for n in table.get(args.decode_table, args.decode_table).split(",") if n]
     if any(n not in SHAPES for n in args.decode_table):
