@@ -28,7 +28,6 @@ import torch
 
 import model as M
 from checkpoints import DEFAULT_DRAFTS
-from decode import check_temperature
 from draft import HeadCalibration
 from files import ROOT, repo_path
 from layouts import choose_layout, load_target, target_layout
@@ -40,7 +39,7 @@ from speed import (Run, draft_label, interleave, make_draft, paired_runs, parse_
 from stats import reliability
 from step_table import (SHAPES, cpu_layouts, decode_speed_table, print_auto_choice, step_profile,
                         weights_quality)
-from verify import VERIFIERS, Verifier
+from verify import VERIFIERS, Verifier, check_temperature
 from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
 
 # -----------------------------------------------------------------------------

@@ -1,11 +1,7 @@
 """
-Decoding: plain autoregressive sampling and speculative decoding, in one loop.
-
-Each step feeds the target the last committed token plus the draft's k guesses at positions
-[L-1, L+k-1], one forward. The verifier keeps n guesses and appends one more token, so a step
-commits n+1 tokens; the target's KV cache needs no rewind beyond starting the next step at the new
-position (stale entries past it are masked, then overwritten). With no draft, k = 0 and the loop is
-ordinary autoregressive decoding: the baseline every speedup is measured against.
+Decoding from the command line: plain autoregressive sampling and speculative decoding, through
+the one loop of speculative.py, with the draft, verifier, layout and machine a user asks for, and
+defaults that never print other text than plain decoding at T = 0.
 
     python decode.py --prompt "Why is the sky blue?"                       # prompt lookup, greedy (the default)
     python decode.py --verifier none --temperature 0.7 --prompt "..."      # plain sampling
@@ -17,184 +13,19 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 import model as M
 from checkpoints import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
-from draft import AdaptiveDraft, NoDraft, tree_depths
 from files import repo_path, repo_relative
-from layouts import drafting_is_exact, layout_reason, load_target, run_block_costs, target_layout
+from layouts import drafting_is_exact, layout_reason, load_target, target_layout
 from machine import compile_step, default_device, machine_problem, pick_threads, wants_compile
 from prompts import read_prompts
+from speculative import DECODE_K, adaptive, check_request, exact_verifier, generate
 from tokenizer import load_tokenizer
-from verify import LOSSY, VERIFIERS, Verifier, probs_from_logits, verify, verify_tree
+from verify import LOSSY, VERIFIERS, Verifier, check_temperature
 from weights import DEFAULT_TARGET, HF_REPOS, read_config, resolve_model
-
-DECODE_K = 5  # tokens drafted per step by default (report.py measures the same)
-
-
-@dataclass
-class Stats:
-    """What one generation's speculation did: the counters behind tau and the speed tables."""
-    k: int
-    forwards: int = 0  # target forwards, one per step
-    drafted: int = 0  # tokens the draft proposed
-    declined: int = 0  # positions the draft chose not to propose (early exit, no lookup match)
-    draft_seconds: float = 0.0
-    drafted_at: list = field(default_factory=list)  # per draft position: blocks that drafted it
-    kept_at: list = field(default_factory=list)  # per draft position: blocks in which it was kept
-
-    def __post_init__(self):
-        self.drafted_at, self.kept_at = [0] * self.k, [0] * self.k
-
-    def result(self, new: list, seconds: float, prefill_seconds: float, draft_forwards: int) -> dict:
-        return {
-            "tokens": new,
-            "new_tokens": len(new),
-            "seconds": seconds,
-            "prefill_seconds": prefill_seconds,
-            "draft_seconds": self.draft_seconds,
-            "tokens_per_s": len(new) / max(seconds - prefill_seconds, 1e-9),
-            "target_forwards": self.forwards,
-            "draft_forwards": draft_forwards,
-            "drafted_tokens": self.drafted,
-            "declined_tokens": self.declined,  # early exits and lookup misses alike
-            "tau": len(new) / max(self.forwards, 1),
-            # fraction of blocks that drafted position i in which the token at i was kept
-            "accepted_per_position": [a / d if d else 0.0 for a, d in zip(self.kept_at, self.drafted_at)],
-        }
-
-    def count(self, asked: int, drafted: int, kept: int, depth: int | None = None):
-        """One step: `asked` guesses wanted, `drafted` proposed, `kept` accepted; a tree also says
-        its depth (acceptance by position is then by depth)."""
-        self.forwards += 1
-        self.drafted += drafted
-        self.declined += asked - drafted
-        for i in range(drafted if depth is None else depth):
-            self.drafted_at[i] += 1
-            self.kept_at[i] += i < kept
-
-
-def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, stats: Stats, device,
-                     temperature: float = 0.0, top_p: float = 1.0, generator=None, on_verify=None,
-                     tree: int = 0, target=None):
-    """The algorithm: the draft guesses k tokens; one target forward scores the last committed
-    token and the k guesses at positions [L-1, L+k-1]; the verifier keeps n guesses and adds one
-    token of its own. Returns the n + 1 new tokens, n, and the target's hidden states there.
-    With a tree budget, the draft proposes a tree of at most `tree` nodes and depth k instead; the
-    forward scores every node against its own ancestors, the verifier walks down one path, and
-    the target's cache keeps that path (target.keep_path). on_verify(p, q, guesses, n), when
-    given, sees what the verifier saw (lossy.py measures the distortion of each committed token
-    from it); for a tree, guesses are the accepted path's and p, q its rows."""
-    guesses, q, parents = torch.tensor([], dtype=torch.long), None, None
-    if k > 0:  # (plain decoding pays no timing and no GPU sync here)
-        t0 = time.perf_counter()
-        if tree:
-            guesses, parents, q = draft.propose_tree(tree, k)
-        else:
-            guesses, q = draft.propose(k)
-        synchronize(device)
-        stats.draft_seconds += time.perf_counter() - t0
-    x = torch.cat([torch.tensor([seq[-1]]), guesses.cpu()]).to(device)[None]  # (1, n_guesses + 1)
-    positions = torch.arange(len(seq) - 1, len(seq) + len(guesses), device=device)
-    chain_shaped = parents is None or parents == list(range(-1, len(guesses) - 1))
-    logits, hidden = step_fn(x, positions, hidden_layers=draft.target_layers,
-                             tree_parents=None if chain_shaped else parents)
-    p = probs_from_logits(logits[0], temperature, top_p)  # (n_guesses + 1, V)
-    q = None if q is None else q.to(device)
-    if parents is None:
-        n, next_token = verify(p[None], None if q is None else q[None], guesses.to(device)[None], verifier,
-                               generator)
-        n = int(n)  # the one host sync of the step
-        stats.count(k, len(guesses), n)
-    else:
-        path, next_token = verify_tree(p, q, guesses.to(device), parents, verifier, generator)
-        n, rows = len(path), [0] + [i + 1 for i in path]  # the root's row and the accepted nodes'
-        target.keep_path([len(seq) + i for i in path], len(seq))
-        depth = max(tree_depths(parents), default=0)
-        stats.count(tree, len(guesses), n, depth=depth)  # (a tree is asked for `tree` nodes)
-        guesses, p = guesses[path], p[rows]
-        q = None if q is None else q[path]
-        hidden = [h[:, rows] for h in hidden]
-    if on_verify is not None:
-        on_verify(p, q, guesses, n)
-    return guesses[:n].tolist() + [int(next_token)], n, hidden
-
-
-def exact_verifier(temperature: float) -> Verifier:
-    """The rule that keeps the output the target's own: greedy at T = 0, lossless speculative
-    sampling at T > 0 (with no draft, k = 0, that is plain sampling from the warped p)."""
-    return Verifier("greedy" if temperature <= 0 else "lossless")
-
-
-@torch.inference_mode()  # (no_grad's version and view tracking cost a few percent of a CPU step)
-def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = None, k: int = 0,
-             max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, stop_ids=(),
-             generator: torch.Generator | None = None, on_tokens=None, step_fn=None, on_verify=None,
-             tree: int = 0) -> dict:
-    """Generate up to max_new_tokens tokens after prompt_ids, speculatively when a draft is given
-    (plain decoding is the case of no draft, k = 0). The verifier defaults to the exact rule for the
-    temperature; greedy at T > 0 is refused, as it would emit the argmax whatever T says. Returns
-    the new ids and statistics: tau (new tokens per target forward, bonus included), forwards,
-    per-position acceptance. tree > 0 drafts trees of at most `tree` nodes and depth k instead of
-    chains of k."""
-    verifier = exact_verifier(temperature) if verifier is None else verifier
-    step_fn = target if step_fn is None else step_fn  # (a compiled module has no truth value)
-    draft, k = (NoDraft(), 0) if draft is None else (draft, k)
-    check_request(target.max_seq_len, len(prompt_ids), max_new_tokens, max(k, tree if k else 0), verifier,
-                  temperature)
-    device, L = target.embed_tokens.weight.device, len(prompt_ids)
-    t_start = time.perf_counter()
-    draft_forwards_before = draft.forwards
-    # prefill everything but the last prompt token: each step starts by feeding that one
-    _, hidden = target(torch.tensor([prompt_ids[:-1]], device=device), torch.arange(L - 1, device=device),
-                       hidden_layers=draft.target_layers, last_logits_only=True) if L > 1 else (None, [])
-    draft.start(prompt_ids, torch.cat(hidden, -1)[0] if hidden else None)  # (L-1, n_layers * dim)
-    synchronize(device)
-    t_prefill = time.perf_counter() - t_start
-    seq, new, stats = list(prompt_ids), [], Stats(k)
-    while len(new) < max_new_tokens:
-        # guesses past the token budget are wasted; a DFlash block holds at most block_size - 1
-        budget = min(k, max_new_tokens - len(new) - 1, draft.max_tokens)
-        out, n, hidden = speculative_step(step_fn, seq, draft, budget, verifier, stats, device,
-                                          temperature=temperature, top_p=top_p, generator=generator,
-                                          on_verify=on_verify, tree=tree, target=target)
-        # a stop token, even inside a kept block, ends generation there
-        stop = next((j for j, t in enumerate(out) if t in stop_ids), None)
-        out = out[:min(len(out) if stop is None else stop + 1, max_new_tokens - len(new))]
-        seq += out
-        new += out
-        if on_tokens is not None:
-            on_tokens(out, min(n, len(out)))  # (the first n came from the draft)
-        if stop is not None or len(new) >= max_new_tokens:
-            break
-        # the target's states at the committed positions: the token fed and the n kept
-        draft.commit(out, n, torch.cat(hidden, -1)[0, :n + 1] if hidden else None)
-    synchronize(device)
-    return stats.result(new, time.perf_counter() - t_start, t_prefill, draft.forwards - draft_forwards_before)
-
-
-def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifier: Verifier,
-                  temperature: float):
-    """A one-line error for what generate cannot do: an empty prompt, more positions than the
-    cache holds, greedy verification at T > 0 (it would emit the argmax whatever T says)."""
-    if verifier.name == "greedy" and temperature > 0:
-        raise ValueError(f"the greedy verifier keeps the target's argmax, which is temperature 0; at "
-                         f"temperature {temperature:g} use lossless (or a lossy verifier)")
-    if L == 0:
-        raise ValueError("empty prompt")
-    if L + max_new_tokens + k > max_seq_len:
-        raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + {k} drafted needs "
-                         f"{L + max_new_tokens + k} positions; the context holds {max_seq_len} "
-                         f"(lower --max-new-tokens or raise --max-seq-len)")
-
-
-def synchronize(device: torch.device):
-    """Wait for the GPU, so wall times measure the work and not its launch."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def get_args(argv=None):
@@ -289,12 +120,6 @@ def add_machine_args(ap):
     g.add_argument("--json", action="store_true", help="end with one JSON line of results per prompt")
 
 
-def check_temperature(value: float, flag: str = "--temperature") -> str | None:
-    if not math.isfinite(value) or value < 0:
-        return f"{flag} must be a finite number >= 0, got {value}"
-    return None
-
-
 def check_and_complete(ap, args):
     """Refuse bad values in one line, then fill in what was left out (README: the defaults table)."""
     for name in ("temperature", "top_p", "p_base", "eps", "delta", "lam", "lenience", "ceiling"):
@@ -351,15 +176,6 @@ def check_and_complete(ap, args):
                  "and every tree has a shape of its own")
     if args.adaptive is None:
         args.adaptive = args.draft == "lookup" and not args.tree
-
-
-def adaptive(draft, target, tree: int = 0, temperature: float = 0.0) -> AdaptiveDraft:
-    """The draft with its length (or with tree > 0, its tree's size) chosen each step by what a
-    block costs on this machine, in the run's layout (draft.AdaptiveDraft; layouts.block_cost_model)."""
-    if tree and not (getattr(draft, "sizes_trees", False) and temperature <= 0):
-        raise ValueError("adaptive trees are sized for EAGLE-3 drafts at temperature 0, whose tree nodes come "
-                         "ranked (at T > 0 pruning drawn nodes would bias the verifier): drop --adaptive or --tree")
-    return AdaptiveDraft(draft, *run_block_costs(target))
 
 
 def make_verifier(name: str, temperature: float, **params) -> Verifier:

@@ -18,9 +18,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from checkpoints import build_draft, checkpoint_step
-from decode import adaptive, generate
 from machine import peak_memory_mb, reset_peak_memory
 from peers import hf_peer, llama_cpp_peer
+from speculative import adaptive, generate
 from stats import paired_ratio, quartiles
 from verify import VERIFIERS, Verifier
 from weights import DEFAULT_TARGET, resolve_model
@@ -96,7 +96,7 @@ class Run:
     temperature: float
     target: object = None  # the model this run decodes with (runs of one table may differ in weights)
     draft: object = None
-    verifier: Verifier | None = None  # None: the exact rule for the temperature (decode.exact_verifier)
+    verifier: Verifier | None = None  # None: the exact rule for the temperature (speculative.exact_verifier)
     peer: object = None
     tree: int = 0  # draft trees of this many nodes (0: chains)
 

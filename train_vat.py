@@ -37,13 +37,13 @@ from checkpoints import (checkpoint_dirs, draft_kind, latest_checkpoint, load_dr
                          save_checkpoint, save_draft)
 from corpus import (DEFAULT_DATA, Corpus, Recipe, batches, build_corpus, build_dataset, corpus_batches,
                     data_sources, draft_vocabulary, fitting, length_groups)
-from decode import generate
 from dflash import DFlash, DFlashDraft, dflash_target_layers
 from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
 from files import ROOT, repo_path
 from layouts import experiment_layout, load_target
 from machine import default_device, machine_problem, start_processes
 from objectives import DraftLoss, LossSettings
+from speculative import generate
 from verify import Verifier
 from weights import DEFAULT_TARGET, HF_REPOS, cache_dir, load_model, read_config, resolve_model
 

@@ -66,6 +66,13 @@ class Verifier:
 # -----------------------------------------------------------------------------
 # Sampling controls, applied to p (and to the draft's q) the same way for every verifier
 
+def check_temperature(value: float, flag: str = "--temperature") -> str | None:
+    """What is wrong with a sampling temperature (one line, naming its flag), or None."""
+    if not math.isfinite(value) or value < 0:
+        return f"{flag} must be a finite number >= 0, got {value}"
+    return None
+
+
 def probs_from_logits(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
     """(..., V) logits -> (..., V) probabilities; temperature 0 is the one-hot argmax."""
     if temperature <= 0:

@@ -49,11 +49,11 @@ from tqdm import tqdm
 
 import model as M
 from checkpoints import DEFAULT_DRAFTS, build_draft
-from decode import generate
 from files import ROOT, repo_path
 from layouts import experiment_layout, load_target
 from machine import default_device, machine_problem, pick_threads
 from results import figures_beside, machine_stamp, shown, unwritable, write_results
+from speculative import generate
 from stats import paired_difference, problems_for_power, rank_correlation, wilson
 from verify import Verifier, induced, own_distribution
 from weights import DEFAULT_TARGET, HF_REPOS, resolve_model

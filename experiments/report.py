@@ -31,12 +31,12 @@ import torch
 import model as M
 import peers
 import speed
-from decode import DECODE_K
 from files import DATA, ROOT, read_json_object, repo_relative, write_atomically
 from layouts import CPU_FEATURES, load_target
 from machine import machine_problem, pick_threads
 from prompts import load_prompts
 from results import machine_stamp, save_figure, unwritable, write_results
+from speculative import DECODE_K
 from weights import DEFAULT_TARGET, resolve_model
 
 RESULTS = ROOT / "docs" / "results.json"

@@ -269,7 +269,7 @@ def test_tiny_temperatures_sample_the_argmax_without_overflow(temperature):
 
 
 def test_a_tiny_temperature_decodes_with_a_tree_end_to_end(tiny_dir):
-    from decode import generate
+    from speculative import generate
     from draft import LookupDraft
     from verify import Verifier
     target = WT.load_model(tiny_dir("llama3"))

@@ -11,7 +11,7 @@ import weights as WT
 import linear_forms as LF
 from files import ROOT
 from machine import compile_step
-from decode import generate
+from speculative import generate
 from draft import LookupDraft, ModelDraft
 from verify import Verifier, probs_from_logits
 

@@ -11,7 +11,7 @@ import files as FL
 import linear_forms as LF
 import model as M
 from checkpoints import load_draft, save_draft
-from decode import generate
+from speculative import generate
 from draft import HybridDraft, LookupDraft
 from dflash import DFlashDraft, dflash_blocks, dflash_mask, dflash_target_layers
 from eagle3 import Eagle3Draft, eagle3_chains, eagle3_target_layers

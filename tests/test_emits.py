@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import dflash_net, eagle3_net
-from decode import exact_verifier, generate
+from speculative import exact_verifier, generate
 from draft import AdaptiveDraft, HybridDraft, LookupDraft, ModelDraft
 from eagle3 import Eagle3Draft
 from dflash import DFlashDraft

@@ -196,7 +196,7 @@ def test_every_layout_auto_may_verify_in_speculates_exactly_on_the_default_targe
     """Each layout --dtype auto may take for 8-token blocks at this thread count (every candidate
     but a coarse one the probe rejects) emits plain decoding's tokens under greedy prompt lookup, on
     the default target's real shapes (on one AMD EPYC, bf16-packed at one thread did not)."""
-    from decode import generate
+    from speculative import generate
     from draft import LookupDraft
     path = WT.resolve_model(WT.DEFAULT_TARGET)
     tok = load_tokenizer(path)

@@ -20,7 +20,7 @@ import tasks
 import stats
 import weights as WT
 import model as M
-from decode import generate
+from speculative import generate
 from draft import ModelDraft
 from verify import Verifier, induced, own_distribution, verify
 

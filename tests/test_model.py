@@ -125,7 +125,7 @@ def test_default_target_matches_transformers(smollm2_dir):
         hf_out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
                              eos_token_id=None, pad_token_id=2)[0, len(ids):].tolist()
     assert diff < 1e-3  # 30 layers of fp32 with different (packed) matmul kernels
-    from decode import generate
+    from speculative import generate
     assert generate(m, ids, max_new_tokens=32)["tokens"] == hf_out
 
 

@@ -20,7 +20,7 @@ from checkpoints import load_draft
 from files import ROOT
 import objectives as OB
 import train_vat as TV
-from decode import generate
+from speculative import generate
 from eagle3 import Eagle3Draft
 from tokenizer import load_tokenizer
 from verify import Verifier

@@ -136,7 +136,7 @@ def test_greedy_follows_the_argmax_down_the_tree():
 import checkpoints as CK
 import files as FL
 import layouts as LY  # noqa: E402
-from decode import generate  # noqa: E402
+from speculative import generate  # noqa: E402
 from draft import tree_depths  # noqa: E402
 from draft import HybridDraft, LookupDraft
 from eagle3 import Eagle3Draft
