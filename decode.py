@@ -262,6 +262,23 @@ def run_draft(args, target, tokenizer, generator, step_fn=None):
     return adaptive(draft, target, args.tree, args.temperature) if args.adaptive else draft
 
 
+def compiled_step(target, device: str):
+    """machine.compile_step, saying what it does; on a CPU the one-token step compiles here, once,
+    rather than inside the first prompt's timing (at a later slot than 0, as a key count of 0 or 1
+    would be compiled as a constant; the prefill rewrites that slot)."""
+    step_fn = compile_step(target)
+    if device != "cpu":
+        print("note: --compile on compiles the step for each block length the run meets, when it first meets it",
+              file=sys.stderr)
+        return step_fn
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        target(torch.zeros(1, 1, dtype=torch.long), torch.tensor([min(8, target.max_seq_len - 1)]))
+    print(f"note: --compile on: the one-token step compiled in {time.perf_counter() - t0:.0f} s (the first time "
+          f"slowly, then from inductor's cache on disk); blocks and trees run uncompiled", file=sys.stderr)
+    return step_fn
+
+
 def main(argv=None):
     args = get_args(argv)
     verifier = make_verifier(args.verifier, args.temperature, p_base=args.p_base, eps=args.eps,
@@ -280,18 +297,7 @@ def main(argv=None):
     target, _ = load_target(str(path), args.device, layout, min(context, reach))
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     print(f"[{layout_reason(target)}]", file=sys.stderr)
-    step_fn = compile_step(target) if compiled else target
-    if compiled and args.device == "cpu":
-        # compiled here, once, rather than inside the first prompt's timing (a key count of 0 or 1
-        # would be compiled as a constant: the step runs at a later slot, which the prefill rewrites)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            target(torch.zeros(1, 1, dtype=torch.long), torch.tensor([min(8, target.max_seq_len - 1)]))
-        print(f"note: --compile on: the one-token step compiled in {time.perf_counter() - t0:.0f} s (the first time "
-              f"slowly, then from inductor's cache on disk); blocks and trees run uncompiled", file=sys.stderr)
-    elif compiled:
-        print("note: --compile on compiles the step for each block length the run meets, when it first meets it",
-              file=sys.stderr)
+    step_fn = compiled_step(target, args.device) if compiled else target
     draft = run_draft(args, target, tokenizer, generator, step_fn if compiled else None)
     args.layout = target.layout
 

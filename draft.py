@@ -342,10 +342,9 @@ class AdaptiveDraft:
             return (1 - a ** (n + 1)) / (1 - a) / cost
         return max(range(k + 1), key=lambda n: rate(n) / (self.MARGIN if n else 1.0))
 
-    def paced_length(self, k: int) -> int:
-        """best_length, except that where no length pays, one token is drafted after 1, 2, 4 ... 16
-        plain steps, to find out whether drafting pays again. 0: a plain step now."""
-        n = self.best_length(k)
+    def paced(self, n: int) -> int:
+        """The best length n, except that where none pays (n = 0), one token is drafted after 1, 2,
+        4 ... 16 plain steps, to find out whether drafting pays again. 0: a plain step now."""
         if n:
             self.next_pause = 1
             return n
@@ -356,12 +355,13 @@ class AdaptiveDraft:
         return 1
 
     def propose(self, k: int):
-        self.proposed = 0
-        if getattr(self.draft, "free", False) and self.best_length(k) == 0:
+        self.proposed, self.tree_depth = 0, 0
+        n = self.best_length(k)
+        if n == 0 and getattr(self.draft, "free", False):
             if not self.watched:  # what it would draft, checked against what plain decoding commits
                 self.watched = self.draft.propose(k)[0].tolist()
             return no_tokens()
-        n = self.paced_length(k)
+        n = self.paced(n)
         if n == 0:
             return no_tokens()
         self.watched = []
@@ -380,11 +380,11 @@ class AdaptiveDraft:
 
     def propose_tree(self, n: int, depth: int):
         """A tree of the size that pays, for drafts that rank their nodes (EAGLE-3 at T = 0). Its
-        depth is the chain length that pays at the acceptance rate of the kept paths (paced_length:
+        depth is the chain length that pays at the acceptance rate of the kept paths (paced:
         so a tree costs the draft about what that chain would), and of the draft's tree of at most
         n nodes, ranked best first, the first m are kept (tree_size; m = 0 is a plain step)."""
         self.proposed, self.watched, self.tree_depth = 0, [], 0
-        depth = self.paced_length(depth)
+        depth = self.paced(self.best_length(depth))
         if depth == 0:
             return no_tokens()[0], [], None
         start = time.perf_counter()
@@ -416,14 +416,12 @@ class AdaptiveDraft:
             self.tree_kept = self.DECAY * self.tree_kept + n_accepted
             self.tree_valued = self.DECAY * self.tree_valued + self.tree_expected
             self.tree_expected = None
-            for _ in range(n_accepted):  # and the acceptance rate along its kept path, for its depth
-                self.learn(True)
-            if n_accepted < self.tree_depth:
-                self.learn(False)
-        elif self.proposed:  # verified: n_accepted kept, then one rejected unless all were kept
+        # verified: n_accepted kept, then one rejected unless all were kept (for a tree: unless
+        # its kept path reached the tree's depth)
+        if self.proposed:
             for _ in range(n_accepted):
                 self.learn(True)
-            if n_accepted < self.proposed:
+            if n_accepted < (self.tree_depth or self.proposed):
                 self.learn(False)
         elif self.watched:  # a plain step commits one token: the watched proposal's next one?
             kept = new_ids[0] == self.watched[0]
