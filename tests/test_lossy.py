@@ -226,8 +226,13 @@ def test_quick_run_is_consistent_and_resumes(tmp_path, capsys):
             s["block_efficiency"] / pooled[chain]["block_efficiency"], rel=3e-4)
         assert all(p["runs"][label]["target_forwards"] > 0 for p in records)
     assert "draft trees of 6 tokens against their chains" in r.stdout
-    assert json.loads(r.stdout.strip().splitlines()[-1])["tv"] == pytest.approx(
-        {lb: s["tv"] for lb, s in pooled.items()}, rel=3e-4, abs=1e-12)
+    printed = json.loads(r.stdout.strip().splitlines()[-1])["tv"]
+    assert printed.keys() == pooled.keys()
+    for label, s in pooled.items():  # a tree row measures no tv: None, which approx refuses
+        if s["tv"] is None:
+            assert printed[label] is None
+        else:
+            assert printed[label] == pytest.approx(s["tv"], rel=3e-4, abs=1e-12)
     assert all(Path(p).is_file() for p in result["plots"])
 
     # the rerun and the refusal in this process: neither loads the target
