@@ -12,8 +12,8 @@ drift cancels in the ratios: every speedup is the median over prompts of (tokens
     python bench.py --prompt-file my.jsonl --peers               # add transformers' generate (and llama.cpp)
     python bench.py --speed-off --decode-table smollm2-135m --weights-quality 40 --profile-step
 
-The target runs in the layout --dtype asks for (auto: timed fastest here for k+1-token forwards,
-as decode.py's speculation does); every run of ours shares it.
+The target runs in the layout --dtype asks for (auto: the one whose one-token step was timed
+fastest here, as decode.py's); every run of ours shares it.
 
 Writes a markdown table to stdout, every raw number and the configuration to --out (JSON), PNG
 plots beside it, and ends stdout with one JSON line of headline figures.
@@ -27,20 +27,23 @@ from pathlib import Path
 import torch
 
 import model as M
-from checkpoints import DEFAULT_DRAFTS
-from draft import HeadCalibration
-from files import ROOT, repo_path
-from layouts import choose_layout, load_target, target_layout
-from machine import compile_step, default_device, machine_problem, pick_threads, wants_compile
-from prompts import load_prompts
-from results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
-from speed import (Run, draft_label, interleave, make_draft, paired_runs, parse_spec, peer_runs,
+from engine.checkpoints import DEFAULT_DRAFTS
+from dflash import DFlashDraft
+from draft import Draft
+from eagle3 import Eagle3Draft
+from engine.files import ROOT, repo_path
+from engine.layouts import choose_layout, layout_of, load_target, target_layout
+from engine.machine import add_machine_options, compile_step, machine_problem, pick_threads, wants_compile
+from data.prompts import load_prompts
+from harness.results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
+from harness.speed import (Run, draft_label, interleave, make_draft, paired_runs, parse_spec, peer_runs,
                    records_for_file, summarize)
-from stats import reliability
-from step_table import (SHAPES, cpu_layouts, decode_speed_table, print_auto_choice, step_profile,
+from harness.stats import reliability
+from harness.step_table import (SHAPES, cpu_layouts, decode_speed_table, print_auto_choice, step_profile,
                         weights_quality)
+from speculative import adaptive_tree_problem
 from verify import VERIFIERS, Verifier, check_temperature
-from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
+from engine.weights import DEFAULT_TARGET, HF_REPOS, resolve_model
 
 # -----------------------------------------------------------------------------
 # Runs
@@ -51,17 +54,46 @@ def encode_prompts(args, tokenizer) -> list:
     return [(c, tokenizer.encode_chat([{"role": "user", "content": t}])) for c, t in prompts]
 
 
-def speed_runs(args, target, tokenizer, generator, encoded: list):
+class HeadCalibration(Draft):
+    """A draft with a verification head, watched: each drafted token's head probability beside
+    whether the verifier kept it (proposal_head_logits against n_accepted), the data of bench's
+    reliability plot. It drafts exactly what the draft drafts."""
+
+    def __init__(self, draft: Draft):
+        self.draft, self.pairs, self.last_probs = draft, [], []
+        self.target_layers, self.max_tokens = draft.target_layers, draft.max_tokens
+
+    @property
+    def forwards(self):
+        return self.draft.forwards
+
+    def start(self, prompt_ids, features=None):
+        self.draft.start(prompt_ids, features)
+
+    def propose(self, k: int):
+        tokens, q = self.draft.propose(k)
+        heads = self.draft.proposal_head_logits
+        self.last_probs = torch.sigmoid(torch.cat([h.float().flatten() for h in heads])).tolist() if heads else []
+        return tokens, q
+
+    def commit(self, new_ids, n_accepted, features=None):
+        self.pairs += [(prob, i < n_accepted) for i, prob in enumerate(self.last_probs)]
+        self.last_probs = []
+        self.draft.commit(new_ids, n_accepted, features)
+
+
+def speed_runs(args, target, choice: dict, tokenizer, generator, encoded: list, step_fn=None):
     """Every draft x verifier x temperature and the baseline on the encoded prompts ([(category,
-    ids)]), interleaved prompt by prompt.
-    Returns {run name: [one result per prompt]} and {run name: temperature}."""
+    ids)]), interleaved prompt by prompt, decoding with step_fn (a compiled target) or the target.
+    Returns {run name: [one result per prompt]}, {run name: temperature} and the verification
+    heads' reliability per run."""
     runs = []
     for temperature in args.temperatures:
         runs.append(Run(f"baseline T={temperature:g}", temperature, target))
         for spec in args.drafts:
-            draft = make_draft(spec, target, tokenizer, temperature, generator)
-            if isinstance(draft, HeadCalibration):  # its head's probability against what was kept
-                draft.calibration = []
+            draft = make_draft(spec, target, tokenizer, temperature, generator, choice)
+            if isinstance(draft, (Eagle3Draft, DFlashDraft)):  # its head's probability against what was kept
+                draft = HeadCalibration(draft)
             for name in args.verifiers:
                 if name == "greedy" and temperature > 0:
                     continue
@@ -72,9 +104,8 @@ def speed_runs(args, target, tokenizer, generator, encoded: list):
         if args.peers:
             runs += peer_runs(args.target, temperature, args.num_draft_tokens)
     records = interleave(runs, encoded, args.num_draft_tokens, args.max_new_tokens, tokenizer.stop_ids,
-                         generator, args.device, args.warmup, args.step_fn)
-    calibrations = {run.name: reliability(run.draft.calibration) for run in runs
-                    if isinstance(run.draft, HeadCalibration)}
+                         generator, args.device, args.warmup, step_fn)
+    calibrations = {run.name: reliability(run.draft.pairs) for run in runs if isinstance(run.draft, HeadCalibration)}
     return records, {run.name: run.temperature for run in runs}, calibrations
 
 
@@ -189,11 +220,7 @@ def add_peer_args(ap):
 def add_weights_args(ap):
     """The target's layout and compilation, as decode.py's."""
     g = ap.add_argument_group("target weights")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
-                   help="the target's weights, as decode.py's --dtype (auto: fastest one-token step here, "
-                        "bf16 on CUDA); a named one is the only layout --decode-table times")
-    g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="torch.compile the target's decode step as decode.py does; auto = on for CUDA only")
+    add_machine_options(g, "dtype", "compile")  # (a named --dtype is the only layout --decode-table times)
 
 
 def add_table_args(ap):
@@ -220,10 +247,7 @@ def add_machine_args(ap):
     g = ap.add_argument_group("machine and output")
     g.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
     g.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
-    g.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
-    g.add_argument("--threads", default="auto",
-                   help="CPU threads, as decode.py's; the results record the number used. For timings, "
-                        "run with nothing else busy: auto then uses every core")
+    add_machine_options(g, "device", "threads")  # (the results record the thread count used)
     g.add_argument("--out", default=None, help="JSON results path; results/bench-<time>.json when omitted")
     g.add_argument("--plots-from", type=Path, default=None, metavar="FILE",
                    help="draw a results file's figures again beside it, then stop (docs/ keeps only the ones "
@@ -260,8 +284,8 @@ def check_and_complete(ap, args):
             _, _, tree, adapt = parse_spec(spec)
         except ValueError as e:
             ap.error(f"--drafts {e}")
-        if tree and adapt and max(args.temperatures) > 0:
-            ap.error(f"--drafts {spec}: @adapt sizes trees at temperature 0 only (--temperatures 0)")
+        if adapt and adaptive_tree_problem(tree, max(args.temperatures)):
+            ap.error(f"--drafts {spec}: {adaptive_tree_problem(tree, max(args.temperatures))}")
     labels = [draft_label(spec) for spec in args.drafts]
     if len(set(labels)) < len(labels):  # runs and results are keyed by label: one would replace another
         ap.error(f"two --drafts have one name: {', '.join(sorted({n for n in labels if labels.count(n) > 1}))}")
@@ -353,10 +377,11 @@ def main(argv=None):
     if args.device == "cpu":
         torch.set_num_threads(pick_threads(args.threads))
     summary, records, paired, profiled = {}, {}, {}, {}
+    layout, choice = None, {}  # (the target's, when one is loaded)
     if not args.speed_off or args.profile_step:
         layout = target_layout(args.dtype, args.device, args.compile)
-        target, tokenizer = load_target(args.target, args.device, layout, 4096)
-        args.layout, args.layout_choice = target.layout, target.choice  # into the results' config
+        target, tokenizer, choice = load_target(args.target, args.device, layout, 4096)
+        layout = layout_of(target)
     if args.profile_step:
         profiled = step_profile(target, blocks=(1, args.num_draft_tokens + 1))
     if not args.speed_off:
@@ -365,12 +390,13 @@ def main(argv=None):
             reach = max(len(ids) for _, ids in encoded) + args.max_new_tokens + \
                 max(args.num_draft_tokens, max((parse_spec(d)[2] for d in args.drafts), default=0)) + 1
             target.setup_caches(1, min(reach, target.max_seq_len))
-        args.step_fn = compile_step(target) if args.compile else None
+        step_fn = compile_step(target) if args.compile else None
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        records, temperatures, calibrations = speed_runs(args, target, tokenizer, generator, encoded)
+        records, temperatures, calibrations = speed_runs(args, target, choice, tokenizer, generator, encoded,
+                                                         step_fn)
         summary = summarize(records, temperatures, calibrations)
         paired = paired_runs(args.paired, records)
-        args.step_fn = None  # nor its compiled wrapper: the decode table wants the memory
+        step_fn = None  # nor its compiled wrapper: the decode table wants the memory
     target = None  # the decode table and the quality check want the memory
     layouts = ([target_layout(args.dtype, args.device, False)] if args.dtype not in (None, "auto") else
                cpu_layouts() if args.device == "cpu" else ["bfloat16"])  # (--dtype names the one to time)
@@ -381,11 +407,11 @@ def main(argv=None):
     auto = choose_layout(resolve_model(args.target)) if args.decode_table and args.device == "cpu" else {}
     print_report(args, summary, table)
     print_auto_choice(args.target, auto, args.num_draft_tokens)
-    print_measurements(args.layout if profiled else None, paired, profiled, quality)
+    print_measurements(layout if profiled else None, paired, profiled, quality)
 
     out = args.out
     images = figures_beside(plots, summary, out)
-    config = {k: shown(v) for k, v in vars(args).items() if k != "step_fn"}
+    config = {**{k: shown(v) for k, v in vars(args).items()}, "layout": layout, "layout_choice": choice}
     result = {
         "config": config, "machine": machine_stamp(args.device),
         "speed": summary, "paired": paired, "decode_table": table, "auto_choice": auto,

@@ -17,15 +17,15 @@ import time
 import torch
 
 import model as M
-from checkpoints import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
-from files import repo_path, repo_relative
-from layouts import drafting_is_exact, layout_reason, load_target, target_layout
-from machine import compile_step, default_device, machine_problem, pick_threads, wants_compile
-from prompts import read_prompts
-from speculative import DECODE_K, adaptive, check_request, exact_verifier, generate
+from engine.checkpoints import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
+from engine.files import repo_path, repo_relative
+from engine.layouts import drafting_is_exact, layout_of, layout_reason, load_target, run_block_costs, target_layout
+from engine.machine import add_machine_options, compile_step, machine_problem, pick_threads, wants_compile
+from data.prompts import read_prompts
+from speculative import DECODE_K, adaptive, adaptive_tree_problem, check_request, exact_verifier, generate
 from tokenizer import load_tokenizer
 from verify import LOSSY, VERIFIERS, Verifier, check_temperature
-from weights import DEFAULT_TARGET, HF_REPOS, read_config, resolve_model
+from engine.weights import DEFAULT_TARGET, HF_REPOS, read_config, resolve_model
 
 
 def get_args(argv=None):
@@ -105,18 +105,9 @@ def add_machine_args(ap):
     """How the target's weights are laid out and on what they run, and the output format."""
     g = ap.add_argument_group("weights and machine")
     g.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (capped by the model's)")
-    g.add_argument("--device", default=default_device())
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
-                   help="the target's weights. auto (default): one layout for the whole run, the fastest exact one "
-                        "timed here (README: weight layouts); int8/int4 change the model a little")
-    g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="torch.compile the decode step; auto: on for CUDA only. On a CPU the one-token step compiles "
-                        "once (slowly at first, then cached on disk), which pays only over long runs")
+    add_machine_options(g, "device", "dtype", "compile", "threads")
     g.add_argument("--no-pack", dest="pack", action="store_false",
                    help="with --dtype float32 or bfloat16 on CPU, keep nn.Linear weights unpacked (not oneDNN's layout)")
-    g.add_argument("--threads", default="auto",
-                   help="CPU threads; auto: one per core idle when decoding starts (a thread on a busy core stalls "
-                        "the others)")
     g.add_argument("--json", action="store_true", help="end with one JSON line of results per prompt")
 
 
@@ -151,9 +142,6 @@ def check_and_complete(ap, args):
         ap.error(check_temperature(args.temperature))
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must lie in (0, 1], got {args.top_p}")
-    if args.verifier == "greedy" and args.temperature > 0:
-        ap.error("--verifier greedy keeps the target's argmax, which is --temperature 0; at T > 0 use "
-                 "lossless (or a lossy verifier)")
     committed = DEFAULT_DRAFTS.get(args.target)
     if args.draft is None and lossy:
         args.draft = str(committed) if committed is not None and committed.is_dir() else "lookup"
@@ -168,9 +156,8 @@ def check_and_complete(ap, args):
         ap.error(f"--tree takes a number of draft tokens >= 1 (0: chains), got {args.tree}")
     if args.tree and args.verifier == "none":
         ap.error("--tree drafts trees for a verifier to check; with --verifier none nothing is drafted")
-    if args.tree and args.adaptive and args.temperature > 0:
-        ap.error("--adaptive sizes trees at --temperature 0 only: at T > 0 a tree's nodes are drawn, and "
-                 "pruning drawn nodes by their value would bias what the verifier sees")
+    if args.adaptive and adaptive_tree_problem(args.tree, args.temperature):
+        ap.error(adaptive_tree_problem(args.tree, args.temperature))
     if args.tree and wants_compile(args.compile, args.device) and args.device != "cpu":
         ap.error("--tree needs --compile off on CUDA: a compiled step there has one static graph per block shape, "
                  "and every tree has a shape of its own")
@@ -202,13 +189,13 @@ class TokenColours:
         return f"[--show: {kept}; uncoloured: the target's own token]"
 
 
-def summary_line(result: dict, args, speculative: bool) -> str:
+def summary_line(result: dict, args, speculative: bool, layout: str) -> str:
     """What speculation did for one answer, in one line for stderr."""
     how = "plain decoding"
     if speculative:
         how = f"{repo_relative(args.draft)} draft, {args.verifier} verifier, k={args.num_draft_tokens}"
         how += f", trees of {args.tree}" if args.tree else ""
-    line = (f"[{how}, T={args.temperature:g}, {args.layout} weights] {result['new_tokens']} tokens at "
+    line = (f"[{how}, T={args.temperature:g}, {layout} weights] {result['new_tokens']} tokens at "
             f"{result['tokens_per_s']:.1f} tok/s, {result['target_forwards']} target forwards")
     if speculative:
         kept = result["new_tokens"] - result["target_forwards"]  # every forward adds one token of its own
@@ -225,18 +212,14 @@ def encode_prompts(args, tokenizer, context: int, verifier: Verifier) -> list:
     system = [{"role": "system", "content": args.system}] if args.system else []
     encoded = [tokenizer.encode(text) if args.raw else tokenizer.encode_chat(system + [{"role": "user", "content": text}])
                for text in prompts]
-    k = args.num_draft_tokens if args.verifier != "none" else 0
+    drafted = max(args.num_draft_tokens, args.tree) if args.verifier != "none" else 0
     for ids in encoded:
-        if args.tree and len(ids) + args.max_new_tokens + args.tree > context:
-            raise ValueError(f"--tree {args.tree} drafts up to {args.tree} tokens a step: after a prompt of {len(ids)} "
-                             f"tokens and --max-new-tokens {args.max_new_tokens} the context of {context} has room "
-                             f"for {max(context - len(ids) - args.max_new_tokens, 0)}; lower --tree")
-        check_request(context, len(ids), args.max_new_tokens, k, verifier, args.temperature)
+        check_request(context, len(ids), args.max_new_tokens, drafted, verifier, args.temperature)
     return encoded
 
 
-def run_draft(args, target, tokenizer, generator, step_fn=None):
-    """The run's draft, or None. Where the layout's blocks (in the run's forward step_fn, default
+def run_draft(args, target, choice: dict, tokenizer, generator, step_fn=None):
+    """The run's draft, or None (plain decoding). Where the layout's blocks (in the run's forward step_fn, default
     the target's own) are not exact here, the default decodes plainly (drafting would change the
     output) and a draft asked for is run with a warning. So it does where a CPU run compiles its
     one-token steps (machine.compile_step) and verifies with eager blocks: inductor's kernels
@@ -247,19 +230,21 @@ def run_draft(args, target, tokenizer, generator, step_fn=None):
     if target.one_token_trunk is not None:
         why, remedy = "--compile on compiles one-token steps only, and blocks round a few values otherwise", \
             "--compile off"
-    elif not drafting_is_exact(target, args.num_draft_tokens + 1, step_fn):
-        why, remedy = f"on this CPU {target.layout} blocks do not give the bits of one-token steps", "--dtype float32"
+    elif not drafting_is_exact(target, choice, args.num_draft_tokens + 1, step_fn):
+        why, remedy = f"on this CPU {layout_of(target)} blocks do not give the bits of one-token steps", \
+            "--dtype float32"
     else:
         why = None
     if why:
         print(f"note: {why}, so drafting changes the output" + (": decoding plainly" if args.default_draft else "") +
               f" ({remedy} drafts exactly)", file=sys.stderr)
         if args.default_draft:
-            args.verifier, args.draft = "none", None
             return None
     draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
                         generator=generator, early_exit=args.early_exit)
-    return adaptive(draft, target, args.tree, args.temperature) if args.adaptive else draft
+    if not args.adaptive:
+        return draft
+    return adaptive(draft, run_block_costs(target, choice), args.tree, args.temperature)
 
 
 def compiled_step(target, device: str):
@@ -294,12 +279,12 @@ def main(argv=None):
     layout = target_layout(args.dtype, args.device, compiled, args.pack)
     # the cache holds what this run can reach, not all of --max-seq-len
     reach = max(len(ids) for ids in encoded) + args.max_new_tokens + max(args.num_draft_tokens, args.tree) + 1
-    target, _ = load_target(str(path), args.device, layout, min(context, reach))
+    target, _, choice = load_target(str(path), args.device, layout, min(context, reach))
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    print(f"[{layout_reason(target)}]", file=sys.stderr)
+    print(f"[{layout_reason(target, choice)}]", file=sys.stderr)
     step_fn = compiled_step(target, args.device) if compiled else target
-    draft = run_draft(args, target, tokenizer, generator, step_fn if compiled else None)
-    args.layout = target.layout
+    draft = run_draft(args, target, choice, tokenizer, generator, step_fn if compiled else None)
+    layout = layout_of(target)
 
     show = TokenColours(args.show and sys.stdout.isatty())
     if show.on:
@@ -321,11 +306,11 @@ def main(argv=None):
                           on_tokens=stream, step_fn=step_fn, tree=args.tree)
         sys.stdout.write(utf8.decode(b"", final=True) + "\n")
         sys.stdout.flush()
-        print(summary_line(result, args, draft is not None), file=sys.stderr)
+        print(summary_line(result, args, draft is not None, layout), file=sys.stderr)
         if args.json:
             result["text"] = tokenizer.decode([t for t in result["tokens"] if t not in stop_ids])
             result.update(target=args.target, draft=repo_relative(args.draft) if draft else None,
-                          verifier=args.verifier, layout=target.layout, tree=args.tree,
+                          verifier=args.verifier if draft else "none", layout=layout, tree=args.tree,
                           k=args.num_draft_tokens if draft else 0, temperature=args.temperature)
             print(json.dumps(result))
 

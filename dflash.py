@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import model as M
-from draft import ChainAsTree, HeadCalibration, no_tokens
+from draft import Draft, no_tokens
 from verify import probs_from_logits, sample
 
 
@@ -95,8 +95,8 @@ def dflash_mask(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
     return rows.repeat_interleave(block_size, 0)
 
 
-class DFlashDraft(ChainAsTree, HeadCalibration):
-    """Drives a DFlash network inside decode.py's loop. Context keys/values of each layer are
+class DFlashDraft(Draft):
+    """Drives a DFlash network inside speculative.py's loop. Context keys/values of each layer are
     cached at their positions; the block [last committed token, MASK x (B-1)] sits right after."""
 
     def __init__(self, net: DFlash, embed: nn.Embedding, lm_head: nn.Module, max_seq_len: int,
@@ -140,14 +140,13 @@ class DFlashDraft(ChainAsTree, HeadCalibration):
         if self.early_exit is not None:  # stop at the first position the head expects rejected
             below = (torch.sigmoid(head_logits) < self.early_exit).nonzero()
             n = int(below[0]) if len(below) else k
-        if self.calibration is not None:
-            self.note_head(head_logits[:n])
+        self.proposal_head_logits = [head_logits[:n]]
         if n == 0:
             return no_tokens()
         return sample(probs[:n], self.temperature, self.generator), probs[:n]
 
     def commit(self, new_ids, n_accepted, features=None):
-        self.settle_head(n_accepted)
+        self.proposal_head_logits = ()
         self.anchor = new_ids[-1]
         # the positions after context_len not yet fed (more than one commit's after a step in
         # which another draft proposed: HybridDraft)

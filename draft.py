@@ -1,6 +1,6 @@
 """
 Drafts: cheap proposers of the next k tokens. Every draft speaks one interface (`Draft` below),
-which decode.py's loop drives without knowing which draft it holds.
+which speculative.py's loop drives without knowing which draft it holds.
 
 Layer indices: inside this project every list of target layers is in model.py's convention
 (hidden[i] enters layer i). Released configs name *outputs* of layers instead (EAGLE-3's
@@ -13,39 +13,50 @@ heads share (their networks live in eagle3.py and dflash.py), and two wrappers o
 hybrid with prompt lookup, and an adaptive draft length that drafts where it pays.
 """
 import time
-from typing import Protocol
-
 import torch
 
 from verify import probs_from_logits, sample
 
 
-class Draft(Protocol):
-    """What decode.py's loop needs of a draft."""
-    target_layers: tuple  # the target hidden states it reads (model.py's indices); () for none
-    forwards: int  # draft forwards run so far (lookups are none)
-    max_tokens: float  # the most guesses one propose can return (a DFlash block's size - 1; else inf)
+class Draft:
+    """What speculative.py's loop needs of a draft: every draft derives from this class and
+    declares what differs. Shapes: V is the target's vocabulary, dim its hidden size."""
+    target_layers: tuple = ()  # the target hidden states it reads (model.py's indices); () for none
+    forwards: int = 0  # draft forwards run so far (lookups are none)
+    max_tokens: float = float("inf")  # the most guesses one propose can return (a DFlash block's size - 1)
+    # proposing costs nothing worth timing: AdaptiveDraft may watch its proposals unverified
+    free: bool = False
+    # propose_tree ranks its nodes and takes size=: AdaptiveDraft can size its trees (T = 0)
+    sizes_trees: bool = False
+    # drafts with a verification head: its logits for the tokens of the last propose, in order (a
+    # list of tensors, one or more logits each); () for drafts without one
+    proposal_head_logits: list = ()
 
     def start(self, prompt_ids: list, features: torch.Tensor | None) -> None:
         """Sees the prompt; features (L-1, len(target_layers) * dim) are the target's states at
         positions 0..L-2, or None."""
+        raise NotImplementedError
 
     def propose(self, k: int) -> tuple:
         """(tokens (k',), q (k', V) or None): k' <= k guesses continuing the committed sequence, with
         the distributions they were drawn from (None: deterministic); fewer than k when the draft
         declines the rest."""
+        raise NotImplementedError
 
-    def propose_tree(self, n: int, depth: int) -> tuple:
+    def propose_tree(self, n: int, depth: int, size=None) -> tuple:
         """(tokens (n',), parents (n' ints, -1 for a child of the last committed token), q (n', V) or
         None): a draft tree of at most n nodes and depth, in topological order, siblings in the
         order verification tries them. q[i] is the distribution node i was drawn from given its
-        earlier siblings; None: chosen deterministically (verify.py's tree section). Drafts with
-        no tree of their own propose their chain (`as_tree`)."""
+        earlier siblings; None: chosen deterministically (verify.py's tree section). size, for
+        drafts that size their trees (sizes_trees): given the candidate nodes' values best first,
+        how many to keep. By default a draft proposes its chain of min(n, depth) guesses."""
+        return as_tree(*self.propose(min(n, depth)))
 
     def commit(self, new_ids: list, n_accepted: int, features: torch.Tensor | None) -> None:
         """The verifier kept n_accepted guesses and added one token of its own; new_ids are all of
-        them, features the target's states at the n_accepted + 1 positions just committed (or
-        None). A draft with a cache rewinds it to the part that is still valid."""
+        them, features (n_accepted + 1, len(target_layers) * dim) the target's states at the
+        positions just committed (or None). A draft with a cache rewinds it to what is still valid."""
+        raise NotImplementedError
 
 
 def no_tokens():
@@ -65,17 +76,8 @@ def as_tree(tokens: torch.Tensor, q):
     return tokens, list(range(-1, len(tokens) - 1)), q
 
 
-class ChainAsTree:
-    """propose_tree for drafts that only draft chains: their chain of min(n, depth) guesses."""
-
-    def propose_tree(self, n: int, depth: int):
-        return as_tree(*self.propose(min(n, depth)))
-
-
-class NoDraft(ChainAsTree):
+class NoDraft(Draft):
     """Plain decoding: proposes nothing, so every step is one ordinary decoding step."""
-    target_layers = ()
-    forwards = 0
     max_tokens = 0
 
     def start(self, prompt_ids, features=None):
@@ -88,13 +90,11 @@ class NoDraft(ChainAsTree):
         pass
 
 
-class LookupDraft:
+class LookupDraft(Draft):
     """Prompt lookup decoding: find the most recent earlier occurrence of the last n tokens
     (n from max_ngram down to min_ngram) and propose the tokens that followed it. An index of
     every n-gram's positions makes a lookup cost the same at any context length."""
-    target_layers = ()
-    max_tokens = float("inf")
-    free = True  # proposing costs nothing worth timing: AdaptiveDraft may watch its proposals unverified
+    free = True  # a lookup costs no forward
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -127,7 +127,7 @@ class LookupDraft:
         follow = next(self.continuations(k), None)
         return (torch.tensor(follow), None) if follow else no_tokens()
 
-    def propose_tree(self, n: int, depth: int):
+    def propose_tree(self, n: int, depth: int, size=None):
         """Several matches as branches: the continuations merged into a trie (a prefix two of
         them share is one path), best match first, until n nodes."""
         tokens, parents, child = [], [], {}  # child[(parent, token)] = node
@@ -151,12 +151,10 @@ class LookupDraft:
         self.extend(new_ids)
 
 
-class ModelDraft(ChainAsTree):
+class ModelDraft(Draft):
     """A smaller model of the same family (e.g. qwen3-0.6b for qwen3-4b) drafting autoregressively.
     Its cache holds `cache_len` committed tokens; each propose first feeds the committed tokens it
     has not seen (one, or two after a fully accepted block) and then drafts k tokens."""
-    target_layers = ()
-    max_tokens = float("inf")
 
     def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0, generator=None):
         self.model, self.temperature, self.top_p, self.generator = model, temperature, top_p, generator
@@ -201,23 +199,6 @@ class ModelDraft(ChainAsTree):
 # -----------------------------------------------------------------------------
 # Shared by the trained drafts (eagle3.py, dflash.py)
 
-class HeadCalibration:
-    """The verification head's record, for drafts that have one: with `calibration` a list (bench.py
-    sets it), each chain step appends (the head's probability for a drafted token, whether the
-    verifier kept it), the data of a reliability plot."""
-    calibration = None
-    last_head = ()  # the head's probabilities for the tokens of the last proposal
-
-    def note_head(self, head_logits: torch.Tensor):
-        if self.calibration is not None:
-            self.last_head = list(self.last_head) + torch.sigmoid(head_logits.float()).flatten().tolist()
-
-    def settle_head(self, n_accepted: int):
-        if self.calibration is not None:
-            self.calibration += [(prob, i < n_accepted) for i, prob in enumerate(self.last_head)]
-        self.last_head = ()
-
-
 def draw_without_replacement(q: torch.Tensor, m: int, generator=None) -> list:
     """Up to m distinct tokens drawn in turn from q (V,), each from q with the earlier ones removed:
     [(token, the distribution it was drawn from (V,), q(token))]. Fewer where q has fewer tokens."""
@@ -236,7 +217,7 @@ def draw_without_replacement(q: torch.Tensor, m: int, generator=None) -> list:
 # -----------------------------------------------------------------------------
 # Hybrid: prompt lookup where the context repeats, the model draft elsewhere
 
-class HybridDraft:
+class HybridDraft(Draft):
     """Prompt lookup first, the model draft when lookup finds no match of at least two tokens.
     A lookup costs no forward and is right where the answer copies its context (extraction,
     rewriting, repeated phrases); the trained draft takes every other step. Both see every commit,
@@ -266,7 +247,7 @@ class HybridDraft:
             return tokens, q
         return self.model_draft.propose(k)
 
-    def propose_tree(self, n: int, depth: int):
+    def propose_tree(self, n: int, depth: int, size=None):
         self.steps += 1
         tree = self.lookup.propose_tree(n, depth)
         if len(tree[0]):
@@ -282,7 +263,7 @@ class HybridDraft:
 # -----------------------------------------------------------------------------
 # Adaptive draft length: draft long where guesses are kept, pause where none are
 
-class AdaptiveDraft:
+class AdaptiveDraft(Draft):
     """Wraps any draft and drafts, each step, the number of tokens that pays: the n maximizing
     expected tokens per unit of time, (1 + a + ... + a^n) / cost(n, context), where a is the
     recent acceptance rate of a drafted token (decayed counts from a prior) and
@@ -320,7 +301,7 @@ class AdaptiveDraft:
         """A new sequence: what was learned of the last one's acceptance is dropped."""
         # a prior worth two drafted tokens: one half, or a quarter for a free draft, which learns
         # by being watched at no cost and need not draft to find out
-        prior = 0.25 if getattr(self.draft, "free", False) else 0.5
+        prior = 0.25 if self.draft.free else 0.5
         self.kept, self.tried = 2.0 * prior, 2.0
         self.context = context
         self.paused, self.next_pause = 0, 1
@@ -357,7 +338,7 @@ class AdaptiveDraft:
     def propose(self, k: int):
         self.proposed, self.tree_depth = 0, 0
         n = self.best_length(k)
-        if n == 0 and getattr(self.draft, "free", False):
+        if n == 0 and self.draft.free:
             if not self.watched:  # what it would draft, checked against what plain decoding commits
                 self.watched = self.draft.propose(k)[0].tolist()
             return no_tokens()
@@ -378,7 +359,7 @@ class AdaptiveDraft:
             per_forward = (time.perf_counter() - start) / forwards / self.step_seconds
             self.draft_step = self.DECAY * self.draft_step + (1 - self.DECAY) * per_forward
 
-    def propose_tree(self, n: int, depth: int):
+    def propose_tree(self, n: int, depth: int, size=None):
         """A tree of the size that pays, for drafts that rank their nodes (EAGLE-3 at T = 0). Its
         depth is the chain length that pays at the acceptance rate of the kept paths (paced:
         so a tree costs the draft about what that chain would), and of the draft's tree of at most

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import model as M
-from draft import HeadCalibration, draw_without_replacement, no_tokens
+from draft import Draft, draw_without_replacement, no_tokens
 from verify import probs_from_logits, sample
 
 
@@ -89,15 +89,15 @@ class Eagle3(nn.Module):
 TREE_TOP_K = 4  # children per expanded node and nodes expanded per depth (EAGLE-2 uses 10 on a GPU)
 
 
-class Eagle3Draft(HeadCalibration):
-    """Drives an Eagle3 network inside decode.py's loop (see the module docstring).
+class Eagle3Draft(Draft):
+    """Drives an Eagle3 network inside speculative.py's loop (see the module docstring).
 
     Pairing, the one off-by-one of EAGLE: the draft places the target's fused state at position t
     together with the embedding of token t+1 (the token that state predicted) at position t of its
     own cache. So a prompt of L tokens gives L-1 pairs (states 0..L-2 with tokens 1..L-1), and each
     commit of n+1 tokens brings the states of the n+1 positions they were fed at. Drafted pairs
     (the draft's own output with its own token) go past the real ones and are overwritten."""
-    sizes_trees = True  # propose_tree ranks its nodes, so AdaptiveDraft can size its trees (T = 0)
+    sizes_trees = True  # propose_tree ranks its nodes
 
     def __init__(self, net: Eagle3, embed: nn.Embedding, max_seq_len: int,
                  temperature: float = 0.0, top_p: float = 1.0, generator=None,
@@ -154,12 +154,12 @@ class Eagle3Draft(HeadCalibration):
         if not self.pending_tokens:  # a one-token prompt: no target state to draft from yet
             return no_tokens()
         state = self.feed_pending()  # (1, dim)
-        tokens, dists = [], []
+        tokens, dists, self.proposal_head_logits = [], [], []
         for j in range(k):
             logits, head_logit = net.heads(state[-1])
             if self.early_exit is not None and torch.sigmoid(head_logit).item() < self.early_exit:
                 break  # the verification head expects this token rejected: stop drafting here
-            self.note_head(head_logit)
+            self.proposal_head_logits.append(head_logit)
             q = net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (V,)
             token = sample(q, self.temperature, self.generator)
             tokens.append(token)
@@ -260,7 +260,7 @@ class Eagle3Draft(HeadCalibration):
                 yield [(lq, int(to_target[i]), None) for lq, i in zip(top_logq[e].tolist(), top_ids[e].tolist())]
 
     def commit(self, new_ids, n_accepted, features=None):
-        self.settle_head(n_accepted)
+        self.proposal_head_logits = ()
         # pairs wait here until the next propose feeds them; a step in which another draft proposed
         # (HybridDraft) leaves them to be fed together with the next step's
         self.pending_tokens += list(new_ids)

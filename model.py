@@ -1,11 +1,11 @@
 """
 The target model: one hand-written decoder-only Transformer for LLaMA-3.x, Qwen2 and Qwen3
-checkpoints, and a static KV cache that speculative decoding rewinds by moving a position. The CPU
-forms its Linears can take (oneDNN-packed, int8, int4) are linear_forms.py's, where the weights come
-from (a name, a directory, the embedded GGUF) is weights.py's, which form a run takes is
-layouts.py's, tokenizers are tokenizer.py's.
+checkpoints, and a static KV cache that speculative decoding rewinds by moving a position. It
+runs as it is (fp32 or bf16, on a CPU or CUDA); the CPU engine (engine/) swaps its Linears for faster CPU forms
+(engine/linear_forms.py), chooses among them (engine/layouts.py) and loads weights from names,
+directories and the embedded GGUF (engine/weights.py). Tokenizers are tokenizer.py's.
 
-Hidden-state index convention (used by the drafts in draft.py), one place for all:
+Hidden-state index convention (used by the drafts in eagle3.py and dflash.py), one place for all:
     hidden[i] is the residual stream *entering* decoder layer i, for 0 <= i < n_layer,
     so hidden[0] is the token embedding; hidden[n_layer] is the last layer's output before the
     final norm. This equals transformers' `output_hidden_states[i]` for i < n_layer (its last
@@ -183,7 +183,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.kv_cache: KVCache | None = None
-        self.row_by_row = False  # see attend_row_by_row
+        self.row_by_row = False  # see Transformer.attend_rows_apart
 
     def project(self, x, cos, sin):
         """(B, T, in_dim) -> q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), RoPE applied."""
@@ -263,9 +263,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """The decoder. source: the directory its weights came from (drafts record which target they
+    serve). How a forward runs beyond its arguments is set once, by set_step_modes."""
+
+    def __init__(self, args: ModelArgs, source=None):
         super().__init__()
-        self.args = args
+        self.args, self.source = args, source
         # drawn uniform, not nn.Embedding's normal: checkpoints build a model on the meta device before
         # its weights arrive, and normal_ there sets up lazily (over a second of every process's start);
         # the values are always replaced by loaded weights or only timed
@@ -274,11 +277,36 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.max_seq_len = 0
-        self.attend_full_cache = False  # set by torch.compile users: one static shape, no recompiles
-        self.one_token_trunk = None  # a compiled trunk for one-token steps (machine.compile_step, CPU)
+        self.set_step_modes()
+
+    def tie_weights(self):
+        """With tie_word_embeddings, the output head reads the embedding table (again after a
+        load_state_dict(assign=True) replaced either)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def set_step_modes(self, attend_full_cache: bool = False, one_token_trunk=None):
+        """The two ways a forward can run besides the eager default, for whoever compiles it:
+        attend_full_cache: every forward attends all max_seq_len slots under a mask, one static shape
+        (a whole-forward graph, e.g. CUDA graphs, never recompiles for a longer context);
+        one_token_trunk: a callable with trunk's signature (a compiled trunk) that plain one-token
+        steps take instead of trunk; blocks and trees stay eager."""
+        self.attend_full_cache = attend_full_cache
+        self.one_token_trunk = one_token_trunk
+
+    def attend_rows_apart(self):
+        """Make every verification block attend one query at a time, as a one-token step does.
+        Needed where activations are rounded coarsely (bf16, int8, int4 weights): there the float
+        noise of another attention kernel would turn into other tokens, and greedy speculation
+        would part from plain decoding. The cost: each row reads the whole context."""
+        for layer in self.layers:
+            layer.self_attn.row_by_row = True
+
+    @property
+    def rows_attend_apart(self) -> bool:
+        return any(layer.self_attn.row_by_row for layer in self.layers)
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int):
         """Allocate the KV caches and the RoPE table for sequences of up to max_seq_len tokens."""

@@ -11,16 +11,15 @@ v_k = 1[k < k*] (BCE), and the loss weights restart their decay at k*: w_hat_k =
 w_(k-k*+1) after. L = sum_k w_hat_k (soft CE + hard CE) + beta L_VH. Each part can be switched on
 alone (LossSettings.parts: the paper's ablation rows).
 
-The target's side of a batch comes from a captured corpus (corpus.py) or from a target forward;
-the drafts' own forwards are eagle3.py's and dflash.py's.
+The target's side of a batch comes from a captured corpus (data/corpus.py: its features at its
+own list of layers, handed in as captured_layers) or from a target forward; the drafts' own
+forwards are eagle3.py's and dflash.py's.
 """
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-import linear_forms as LF
-from corpus import corpus_layers
 from dflash import DFlash, dflash_blocks
 from eagle3 import Eagle3, eagle3_chains
 
@@ -127,49 +126,52 @@ def objective(draft_logits, head_logits, target_logp, valid, settings: LossSetti
     return loss, stats
 
 
-def target_pass(target, batch, layers):
+def target_pass(target, batch, layers, captured_layers: tuple):
     """The frozen target on a batch: its logits (B, T, V) and the features the draft reads
-    (B, T, len(layers) * dim). From a corpus the batch carries the features (of the corpus's
-    layers) and the final-normed states, from which the logits are one matmul away."""
+    (B, T, len(layers) * dim). From a corpus the batch carries the features (of captured_layers)
+    and the final-normed states, from which the logits are one matmul away."""
     tokens, _, *captured = batch
     with torch.no_grad():
         if captured:
             features, final = captured[0], captured[1].to(target.norm.weight.dtype)
-            return target.lm_head(final), captured_features(features, layers, target)
+            return target.lm_head(final), captured_features(features, layers, captured_layers, target)
         logits, hidden = target(tokens, torch.arange(tokens.shape[1], device=tokens.device),
                                 hidden_layers=layers)
         return logits, torch.cat(hidden, -1)
 
 
-def captured_features(features, layers, target):
-    """The draft's layers out of a corpus's features (B, T, L*dim), in the draft's order."""
-    have = corpus_layers(target.args.n_layer)
+def captured_features(features, layers, have: tuple, target):
+    """The draft's layers out of a corpus's features (B, T, len(have) * dim) of layers `have`, in
+    the draft's order."""
     dim = target.args.dim
     features = features.to(target.norm.weight.dtype)
     return torch.cat([features[..., have.index(i) * dim:(have.index(i) + 1) * dim] for i in layers], -1)
 
 
-def eagle3_target_side(net: Eagle3, target, batch):
+def eagle3_target_side(net: Eagle3, target, batch, head_weight, captured_layers: tuple):
     """(features (B, T, 3*dim_t), the target's log-probs on the draft vocabulary (B, T, Vd), its
     top token (B, T)): from a corpus without the target, else from a target forward."""
     tokens, _, *captured = batch
     with torch.no_grad():
         if not captured:
-            logits, features = target_pass(target, batch, net.target_layers)
+            logits, features = target_pass(target, batch, net.target_layers, captured_layers)
             logp = F.log_softmax(logits.float(), -1)[..., net.draft_to_target()]
             return features, logp, logits.argmax(-1)
         features, final, lse, top = captured
-        rows = LF.dense_weight(target.lm_head)[net.draft_to_target()].float()  # (Vd, dim)
+        rows = head_weight[net.draft_to_target()].float()  # (Vd, dim)
         logp = F.linear(final.float(), rows) - lse[..., None]  # (B, T, Vd), normalized over all V
-        return captured_features(features, net.target_layers, target), logp, top.long()
+        return captured_features(features, net.target_layers, captured_layers, target), logp, top.long()
 
 
-def eagle3_loss(net: Eagle3, target, batch, settings: LossSettings, K: int):
+def eagle3_loss(net: Eagle3, target, batch, settings: LossSettings, K: int, head_weight=None,
+                captured_layers: tuple = ()):
     """EAGLE-3's training-time test on one batch, as K-step chains from the base positions whose
-    chain predicts at least one response token; the loss is a mean over those chains."""
+    chain predicts at least one response token; the loss is a mean over those chains. head_weight
+    and captured_layers: as DraftLoss takes them."""
+    head_weight = target.lm_head.weight if head_weight is None else head_weight
     tokens, response = batch[0], batch[1].bool()
     T = tokens.shape[1]
-    features, target_logp, target_top = eagle3_target_side(net, target, batch)
+    features, target_logp, target_top = eagle3_target_side(net, target, batch, head_weight, captured_layers)
     # the chain from base t predicts, at step s, the token at t+2+s; the target's distribution
     # for it sits at t+1+s
     step = torch.arange(K, device=tokens.device)
@@ -182,18 +184,18 @@ def eagle3_loss(net: Eagle3, target, batch, settings: LossSettings, K: int):
                      native="soft", target_in_vocab=net.t2d[target_top[b[:, None], source]])
 
 
-def dflash_loss(net: DFlash, target, batch, settings: LossSettings, blocks_per_seq: int):
+def dflash_loss(net: DFlash, target, batch, settings: LossSettings, blocks_per_seq: int, head_weight=None,
+                captured_layers: tuple = ()):
     """DFlash's block objective on one batch: blocks_per_seq blocks at random anchors inside each
-    response."""
+    response. head_weight and captured_layers: as DraftLoss takes them."""
+    head_weight = target.lm_head.weight if head_weight is None else head_weight
     tokens, response = batch[0], batch[1].bool()
     B, T = tokens.shape
     bs = net.block_size
-    target_logits, features = target_pass(target, batch, net.target_layers)
+    target_logits, features = target_pass(target, batch, net.target_layers, captured_layers)
     anchors = sample_anchors(response, blocks_per_seq)  # (B, nb)
-    # the target's lm_head as a plain matmul: a packed CPU weight has no autograd, and the draft's
-    # gradient must flow through it
-    lm_weight = LF.dense_weight(target.lm_head)
-    logits, heads = dflash_blocks(net, target.embed_tokens, lambda x: F.linear(x, lm_weight), tokens,
+    # the target's lm_head as a plain matmul (head_weight): the draft's gradient flows through it
+    logits, heads = dflash_blocks(net, target.embed_tokens, lambda x: F.linear(x, head_weight), tokens,
                                   features, anchors)
     pos = anchors[..., None] + torch.arange(1, bs, device=tokens.device)  # (B, nb, bs-1) predicted positions
     pos_inside = pos.clamp(max=T - 1)
@@ -226,14 +228,24 @@ def sample_anchors(response, n: int):
 
 class DraftLoss(torch.nn.Module):
     """The draft and its training loss as one module, so DDP sees the forward it must sync.
-    The target is held outside the module's parameters: frozen, and never all-reduced."""
+    The target is held outside the module's parameters: frozen, and never all-reduced.
+    head_weight: the target's output head as a plain (V, dim) tensor, default its lm_head's weight
+    (a CPU engine's packed or quantized head has no autograd: the caller hands a dense copy).
+    captured_layers: the target layers a captured corpus's features hold, in order (batches
+    from a corpus carry them; on-the-fly batches do not)."""
 
-    def __init__(self, net, target, settings: LossSettings, ttt_steps: int, blocks_per_seq: int):
+    def __init__(self, net, target, settings: LossSettings, ttt_steps: int, blocks_per_seq: int,
+                 head_weight: torch.Tensor | None = None, captured_layers: tuple = ()):
         super().__init__()
-        self.net, self.frozen, self.settings = net, [target], settings
+        # (a tuple: a module attribute would make the target's tensors parameters of this module)
+        self.frozen = (target, target.lm_head.weight if head_weight is None else head_weight)
+        self.net, self.settings, self.captured_layers = net, settings, tuple(captured_layers)
         self.ttt_steps, self.blocks_per_seq = ttt_steps, blocks_per_seq
 
     def forward(self, *batch):
+        target, head_weight = self.frozen
         if isinstance(self.net, Eagle3):
-            return eagle3_loss(self.net, self.frozen[0], batch, self.settings, self.ttt_steps)
-        return dflash_loss(self.net, self.frozen[0], batch, self.settings, self.blocks_per_seq)
+            return eagle3_loss(self.net, target, batch, self.settings, self.ttt_steps, head_weight,
+                               self.captured_layers)
+        return dflash_loss(self.net, target, batch, self.settings, self.blocks_per_seq, head_weight,
+                           self.captured_layers)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from draft import AdaptiveDraft, NoDraft, tree_depths
-from layouts import run_block_costs
 from verify import Verifier, probs_from_logits, verify, verify_tree
 
 DECODE_K = 5  # tokens drafted per step by default (report.py measures the same)
@@ -171,9 +170,9 @@ def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifie
     if L == 0:
         raise ValueError("empty prompt")
     if L + max_new_tokens + k > max_seq_len:
-        raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + {k} drafted needs "
+        raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + up to {k} drafted a step needs "
                          f"{L + max_new_tokens + k} positions; the context holds {max_seq_len} "
-                         f"(lower --max-new-tokens or raise --max-seq-len)")
+                         f"(lower --max-new-tokens, -k or --tree, or raise --max-seq-len)")
 
 
 def synchronize(device: torch.device):
@@ -182,10 +181,26 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def adaptive(draft, target, tree: int = 0, temperature: float = 0.0) -> AdaptiveDraft:
+def adaptive(draft, block_costs: tuple, tree: int = 0, temperature: float = 0.0) -> AdaptiveDraft:
     """The draft with its length (or with tree > 0, its tree's size) chosen each step by what a
-    block costs on this machine, in the run's layout (draft.AdaptiveDraft; layouts.block_cost_model)."""
-    if tree and not (getattr(draft, "sizes_trees", False) and temperature <= 0):
-        raise ValueError("adaptive trees are sized for EAGLE-3 drafts at temperature 0, whose tree nodes come "
-                         "ranked (at T > 0 pruning drawn nodes would bias the verifier): drop --adaptive or --tree")
-    return AdaptiveDraft(draft, *run_block_costs(target))
+    block costs (draft.AdaptiveDraft). block_costs: (cost(n, context) of a forward verifying n
+    drafted tokens, in one-token steps, and the seconds of one step), as the caller measured them
+    for the run's target (the CPU engine's engine.layouts.run_block_costs); (None, None) counts
+    every block as one step, as on a GPU."""
+    problem = adaptive_tree_problem(tree, temperature, draft.sizes_trees)
+    if problem:
+        raise ValueError(problem)
+    return AdaptiveDraft(draft, *block_costs)
+
+
+def adaptive_tree_problem(tree: int, temperature: float, sizes_trees: bool = True) -> str | None:
+    """Why an adaptive draft cannot size trees of `tree` nodes here, or None: it sizes them at
+    temperature 0 only, for drafts whose nodes come ranked (EAGLE-3). Scripts ask it before
+    loading anything, with what they know of the draft yet."""
+    if tree and temperature > 0:
+        return ("adaptive trees are sized at temperature 0 only: at T > 0 a tree's nodes are drawn, and "
+                "pruning drawn nodes by their value would bias what the verifier sees (drop --adaptive or --tree)")
+    if tree and not sizes_trees:
+        return ("adaptive trees are sized for EAGLE-3 drafts, whose tree nodes come ranked: drop --adaptive "
+                "or --tree")
+    return None

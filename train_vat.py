@@ -31,29 +31,29 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import linear_forms as LF
+from engine import linear_forms as LF
 import model as M
-from checkpoints import (checkpoint_dirs, draft_kind, latest_checkpoint, load_draft, read_log,
+from engine.checkpoints import (checkpoint_dirs, draft_kind, latest_checkpoint, load_draft, read_log,
                          save_checkpoint, save_draft)
-from corpus import (DEFAULT_DATA, Corpus, Recipe, batches, build_corpus, build_dataset, corpus_batches,
+from data.corpus import (DEFAULT_DATA, Corpus, Recipe, batches, build_corpus, build_dataset, corpus_batches,
                     data_sources, draft_vocabulary, fitting, length_groups)
 from dflash import DFlash, DFlashDraft, dflash_target_layers
 from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
-from files import ROOT, repo_path
-from layouts import experiment_layout, load_target
-from machine import default_device, machine_problem, start_processes
+from engine.files import ROOT, repo_path
+from engine.layouts import experiment_layout, load_target
+from engine.machine import add_machine_options, machine_problem, start_processes
 from objectives import DraftLoss, LossSettings
 from speculative import generate
 from verify import Verifier
-from weights import DEFAULT_TARGET, HF_REPOS, cache_dir, load_model, read_config, resolve_model
+from engine.weights import DEFAULT_TARGET, HF_REPOS, cache_dir, load_model, read_config, resolve_model
 
 # -----------------------------------------------------------------------------
-# Evaluation: real tau through decode.py's loop
+# Evaluation: real tau through speculative.py's loop
 
 @torch.no_grad()
 def evaluate_tau(net, target, tokenizer, prompts, k: int, max_prompt_tokens: int) -> float:
-    """Real tau of the draft on held-out prompts, greedy, k drafted tokens a step, through decode.py's
-    own loop. It leaves the target's caches sized for one sequence: the caller restores its own."""
+    """Real tau of the draft on held-out prompts, greedy, k drafted tokens a step, through
+    speculative.py's loop. It leaves the target's caches sized for one sequence: the caller restores its own."""
     net.eval()
     target.setup_caches(1, max_prompt_tokens + EVAL_NEW_TOKENS + k + 1)
     if isinstance(net, Eagle3):
@@ -170,7 +170,7 @@ def add_output_args(ap):
     g.add_argument("--prepare-only", action="store_true", help="build (and cache) the data, then stop")
     g.add_argument("--quick", action="store_true", help="smoke run: 12 prompts, 2 steps")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default=default_device())
+    add_machine_options(g, "device")
 
 
 def add_other_modes(ap):
@@ -351,8 +351,8 @@ def main(argv=None):
     rng = random.Random(args.seed + rank)
 
     # data: prompts, the target's own responses, a few held out for the real-tau check
-    target, tokenizer = load_target(args.target, device, experiment_layout(device),
-                                    args.max_prompt_tokens + args.response_tokens)
+    target, tokenizer, _ = load_target(args.target, device, experiment_layout(device),
+                                       args.max_prompt_tokens + args.response_tokens)
     target.setup_caches(args.gen_batch, args.max_prompt_tokens + args.response_tokens)
     recipe = Recipe.from_args(args)
     corpus = Corpus(*build_corpus(target, tokenizer, recipe)) if args.features == "captured" else None
@@ -372,7 +372,9 @@ def main(argv=None):
         raise ValueError(f"--stop-at {args.stop_at} lies behind the checkpoint's step {step}: nothing to train "
                          f"(a later --stop-at, or none, continues it)")
     target.setup_caches(args.batch_size, args.seq_len)  # training forwards: one batch of sequences
-    model = DraftLoss(net, target, LossSettings.from_args(args), args.ttt_steps, args.blocks_per_seq)
+    # the head as a plain tensor (a packed CPU weight has no autograd); a corpus's features' layers
+    model = DraftLoss(net, target, LossSettings.from_args(args), args.ttt_steps, args.blocks_per_seq,
+                      head_weight=LF.dense_weight(target.lm_head), captured_layers=corpus.layers if corpus else ())
     if world > 1:  # gradients of the draft are averaged across processes; the target is never all-reduced
         model = torch.nn.parallel.DistributedDataParallel(model)
     # the batches in the seed's order, past the `step` ones a resumed run trained: the same batches as
@@ -483,7 +485,7 @@ def learning_curves(run_dirs: list) -> dict:
 
 
 def write_learning_curves(out: Path, run_dirs: list, argv=None):
-    from results import machine_stamp, write_results  # the one home of results files and their stamp
+    from harness.results import machine_stamp, write_results  # the one home of results files and their stamp
     command = "python train_vat.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     runs = learning_curves(run_dirs)
     write_results(out, {"command": command, "machine": machine_stamp("cpu"), "runs": runs})

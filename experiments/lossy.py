@@ -48,15 +48,15 @@ from tasks import correct, load_problems
 from tqdm import tqdm
 
 import model as M
-from checkpoints import DEFAULT_DRAFTS, build_draft
-from files import ROOT, repo_path
-from layouts import experiment_layout, load_target
-from machine import default_device, machine_problem, pick_threads
-from results import figures_beside, machine_stamp, shown, unwritable, write_results
+from engine.checkpoints import DEFAULT_DRAFTS, build_draft
+from engine.files import ROOT, repo_path
+from engine.layouts import experiment_layout, load_target
+from engine.machine import add_machine_options, machine_problem, pick_threads
+from harness.results import figures_beside, machine_stamp, shown, unwritable, write_results
 from speculative import generate
-from stats import paired_difference, problems_for_power, rank_correlation, wilson
+from harness.stats import paired_difference, problems_for_power, rank_correlation, wilson
 from verify import Verifier, induced, own_distribution
-from weights import DEFAULT_TARGET, HF_REPOS, resolve_model
+from engine.weights import DEFAULT_TARGET, HF_REPOS, resolve_model
 
 GSM8K_DRAFT = ROOT / "drafts" / "smollm2-135m-eagle3-gsm8k"  # the strongest draft for answers with numbers
 
@@ -124,8 +124,8 @@ _worker = {}  # one per process: the target, tokenizer, draft and generator, loa
 def start_worker(args):
     try:
         torch.set_num_threads(args.threads_per_worker)
-        target, tokenizer = load_target(args.target, args.device, experiment_layout(args.device),
-                                        args.max_seq_len)
+        target, tokenizer, _ = load_target(args.target, args.device, experiment_layout(args.device),
+                                           args.max_seq_len)
         generator = torch.Generator(device=args.device)
         draft = build_draft(str(args.draft), target, tokenizer, temperature=args.temperature, generator=generator)
         _worker.update(target=target, tokenizer=tokenizer, draft=draft, generator=generator, args=args)
@@ -360,7 +360,7 @@ def get_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="seeds the problems' samplers (and nothing else)")
     ap.add_argument("--workers", default="auto",
                     help="processes, one thread each; auto = one per idle core (on a CPU)")
-    ap.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1, ...")
+    add_machine_options(ap, "device")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 problem per level, 8 new tokens")
     ap.add_argument("--out", default=None, help="JSON results path; results/lossy-<time>.json when omitted")
     ap.add_argument("--plots-from", type=Path, default=None, metavar="FILE",

@@ -5,7 +5,7 @@ efficiency against its parameter, and distortion against block efficiency.
 """
 from pathlib import Path
 
-from results import save_figure
+from harness.results import save_figure
 from sweep import CONFIGS, PARAMETER, TREE_SUFFIX
 
 def plots(summary: dict, out_dir: Path, stem: str) -> list:

@@ -11,7 +11,8 @@ task of the committed GSM8K draft. Each at T = 0 (greedy, every speculative run 
 decoding's tokens) and T = 1 (sampling, lossless verification: every run emits the target's
 distribution). Every run of a task goes on each prompt before the next prompt (speed.interleave),
 so drift of the machine falls on all of them alike, and a speedup is the median over prompts of
-(run's tokens/s) / (plain fp32 decoding's tokens/s on the same prompt). A rate is new tokens over
+(run's tokens/s) / (plain decoding's tokens/s on the same prompt: decode.py --verifier none, in
+decode.py's own weight layout). A rate is new tokens over
 the whole call, prompt included, which is what transformers' generate can be timed on too.
 
 It writes docs/results.json (every run on every prompt, the summary and the machine: CPU model and
@@ -29,15 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modu
 import torch
 
 import model as M
-import peers
-import speed
-from files import DATA, ROOT, read_json_object, repo_relative, write_atomically
-from layouts import CPU_FEATURES, load_target
-from machine import machine_problem, pick_threads
-from prompts import load_prompts
-from results import machine_stamp, save_figure, unwritable, write_results
+from harness import peers
+from harness import speed
+from engine.files import DATA, ROOT, read_json_object, repo_relative, write_atomically
+from engine.layouts import CPU_FEATURES, layout_of, load_target
+from engine.machine import machine_problem, pick_threads
+from data.prompts import load_prompts
+from harness.results import machine_stamp, save_figure, unwritable, write_results
 from speculative import DECODE_K
-from weights import DEFAULT_TARGET, resolve_model
+from engine.weights import DEFAULT_TARGET, resolve_model
 
 RESULTS = ROOT / "docs" / "results.json"
 README = ROOT / "README.md"
@@ -82,7 +83,7 @@ def task_prompts(task: str, limit: int, tokenizer) -> list:
 
 def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> tuple:
     """speed.Run objects for a table, its first row the baseline at each temperature, and {run
-    name: the layout its target ran in}."""
+    name: the layout its target ran in}. targets: {weights: (target, auto's layout decision)}."""
     runs, layouts = [], {}
     for label, temperatures, weights, spec, peer in table:
         for t in temperatures:
@@ -92,10 +93,10 @@ def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> tupl
                     resolve_model(DEFAULT_TARGET), "generate", k)))
                 layouts[runs[-1].name] = "transformers float32"
                 continue
-            target = targets[weights]
-            draft = None if spec is None else speed.make_draft(spec, target, tokenizer, t, generator)
+            target, choice = targets[weights]
+            draft = None if spec is None else speed.make_draft(spec, target, tokenizer, t, generator, choice)
             runs.append(speed.Run(f"{name} T={t:g}", t, target, draft))
-            layouts[runs[-1].name] = target.layout
+            layouts[runs[-1].name] = layout_of(target)
     return runs, layouts
 
 
@@ -103,7 +104,8 @@ def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> tuple:
     """Load the target in each weight layout, run every table: (tasks' results, auto's decision)."""
     targets = {}
     for key, layout in WEIGHTS.items():
-        targets[key], tokenizer = load_target(DEFAULT_TARGET, "cpu", layout, 4096)
+        target, tokenizer, choice = load_target(DEFAULT_TARGET, "cpu", layout, 4096)
+        targets[key] = target, choice
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for task, (table, limit) in tasks.items():
@@ -117,7 +119,7 @@ def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> tuple:
         out[task] = {"prompts": len(prompts), "labels": labels, "layouts": layouts,
                      "summary": speed.summarize(records, temperatures),
                      "seconds": time.perf_counter() - t0, "runs": speed.records_for_file(records, temperatures)}
-    return out, targets["auto"].choice
+    return out, targets["auto"][1]
 
 
 def render(results: dict) -> str:

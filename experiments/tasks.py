@@ -10,7 +10,7 @@ import re
 
 from sandbox import run_untrusted
 
-from files import DATA, read_jsonl
+from engine.files import DATA, read_jsonl
 
 # Levels of "What is a + b?", easiest first. At T = 0.5 the default target's plain sampling solves
 # a fair share of each level; at T = 1 it rarely solves the harder ones (docs/lossy-arithmetic/), hence 0.5.

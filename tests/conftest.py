@@ -12,13 +12,13 @@ import torch
 # start) keep theirs in a file of this session, not in the user's cache
 os.environ["SPECDEC_LAYOUT_CACHE"] = str(Path(tempfile.mkdtemp(prefix="layouts-")) / "layouts.json")
 
-import weights as WT
-import layouts as LY  # noqa: E402
+from engine import weights as WT
+from engine import layouts as LY  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))  # lossy, report, ...
 
-import linear_forms as LF  # noqa: E402
+from engine import linear_forms as LF  # noqa: E402
 import model as M  # noqa: E402
 from eagle3 import Eagle3, eagle3_target_layers
 from dflash import DFlash, dflash_target_layers
@@ -95,7 +95,7 @@ def smollm2_dir():
 def default_int4(smollm2_dir):
     """(target, tokenizer): the default target in int4, loaded once for the tests that decode with it
     (each generate() call writes its sequence's cache from position 0, so they can share it)."""
-    return LY.load_target(str(smollm2_dir), "cpu", "int4", 512)
+    return LY.load_target(str(smollm2_dir), "cpu", "int4", 512)[:2]
 
 
 @pytest.fixture

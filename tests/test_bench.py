@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import bench
-import speed
-import step_table
-import stats
-import peers
+from harness import speed
+from harness import step_table
+from harness import stats
+from harness import peers
 import model as M
-from files import ROOT
-from layouts import CPU_FEATURES
+from engine.files import ROOT
+from engine.layouts import CPU_FEATURES
 
 
 
@@ -210,7 +210,7 @@ def test_llama_cpp_is_an_optional_peer(smollm2_dir, monkeypatch, capsys):
 def test_step_profile_counts_the_matmuls_and_attention_of_a_forward(tiny_dir):
     """--profile-step: per block size, one matmul per Linear (4 a layer, and the head), one
     attention per layer, or one per query where blocks attend row by row (int4)."""
-    import layouts as LY
+    from engine import layouts as LY
     for layout, rows in (("float32", 1), ("int4", 8)):
         target = LY.build_target(tiny_dir("llama3"), layout, "cpu", 128)
         profile = step_table.step_profile(target, blocks=(1, 8), context=16)
@@ -237,7 +237,7 @@ def test_the_decode_table_shows_autos_choice_and_what_a_block_costs(capsys):
 def test_a_results_file_records_tokens_equal_to_the_baselines_once():
     """A run's record keeps its tokens where they part from its baseline's on that prompt, and says
     it matched where they do not; the baseline keeps its own; columns read back as the records."""
-    from speed import records_for_file, records_from_file
+    from harness.speed import records_for_file, records_from_file
     base = [{"tokens": [1, 2, 3], "seconds": 1.0}, {"tokens": [4, 5], "seconds": 1.0}]
     ours = [{"tokens": [1, 2, 3], "seconds": 0.5}, {"tokens": [4, 6], "seconds": 0.5}]
     sampled = [{"tokens": [1, 2, 3], "seconds": 0.5}]

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-import checkpoints as CK
+from engine import checkpoints as CK
 import model as M
-from files import ROOT
+from engine.files import ROOT
 from eagle3 import Eagle3, eagle3_target_layers
 
 TARGET_ARGS = M.ModelArgs(model_type="llama", vocab_size=50, dim=32, n_layer=4, n_head=4, n_kv_head=2, head_dim=8,
@@ -45,7 +45,7 @@ import json, os, shutil, signal, sys, tempfile, random
 from pathlib import Path
 import safetensors.torch, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-import checkpoints as CK
+from engine import checkpoints as CK
 from test_checkpoints import TARGET_ARGS, small_draft
 runs = Path(sys.argv[1])
 count = kill_at = None

@@ -4,8 +4,8 @@ import json
 
 import torch
 
-import corpus as C
-import weights as WT
+from data import corpus as C
+from engine import weights as WT
 from tokenizer import load_tokenizer
 
 from conftest import tiny_chat_target

@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-import weights as WT
-import linear_forms as LF
-from files import ROOT
-from machine import compile_step
+from engine import weights as WT
+from engine import linear_forms as LF
+from engine.files import ROOT
+from engine.machine import compile_step
 from speculative import generate
 from draft import LookupDraft, ModelDraft
 from verify import Verifier, probs_from_logits
@@ -146,8 +146,7 @@ def test_default_target_prompt_lookup(default_int4):
     assert f"{spec['new_tokens']} tokens" in summary and f"tau {spec['tau']:.2f}" in summary
     assert f"{spec['target_forwards']} target forwards" in summary and f"{spec['drafted_tokens']} drafted" in summary
     args = decode.get_args(["--verifier", "none", "--dtype", "int4"])
-    args.layout = "int4"
-    plain_line = decode.summary_line({**plain, "tokens_per_s": 20.0}, args, speculative=False)
+    plain_line = decode.summary_line({**plain, "tokens_per_s": 20.0}, args, speculative=False, layout="int4")
     assert plain_line.startswith(f"[plain decoding, T=0, int4 weights] {plain['new_tokens']} tokens at 20.0 tok/s")
 
 
@@ -159,10 +158,10 @@ def test_default_target_in_coarse_layouts_decodes_exactly_like_itself(smollm2_di
     decoding bit for bit (verification blocks attend row by row, and the matmuls are exact per row;
     with blocks attending at once, bf16 parted from plain decoding on 8 of 13 Spec-Bench questions).
     bf16's matmuls are the CPU's: where they are not exact per row, auto never verifies in bf16."""
-    from layouts import blocks_match_steps, load_target
+    from engine.layouts import blocks_match_steps, load_target
     from tokenizer import load_tokenizer
     target, tokenizer = request.getfixturevalue("default_int4") if layout == "int4" else \
-        load_target(str(smollm2_dir), "cpu", layout, 512)
+        load_target(str(smollm2_dir), "cpu", layout, 512)[:2]
     if layout.startswith("bfloat16") and not blocks_match_steps(target, 8):
         pytest.skip("this CPU's bf16 kernels give a row other bits in a block (checkpoints.EXACT_LAYOUTS)")
     ids = tokenizer.encode_chat([{"role": "user", "content": "Repeat the following list exactly, one item per "
@@ -175,7 +174,7 @@ def test_default_target_in_coarse_layouts_decodes_exactly_like_itself(smollm2_di
 
 
 def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
-    from checkpoints import DEFAULT_DRAFTS
+    from engine.checkpoints import DEFAULT_DRAFTS
     from decode import get_args
     a = get_args([])
     assert (a.draft, a.verifier, a.temperature, a.adaptive) == ("lookup", "greedy", 0.0, True)
@@ -244,7 +243,7 @@ def test_compiled_int4_step_is_the_eager_step_to_rounding(smollm2_dir):
     """decode.py --dtype int4 --compile on: one-token steps run a compiled trunk, one graph for every
     context (the key count is dynamic), with the eager step's logits up to bf16 rounding; blocks
     run eagerly, through the packed head, as before."""
-    from layouts import build_target
+    from engine.layouts import build_target
     eager = build_target(smollm2_dir, "int4", "cpu", 128, n_layer=2)
     target = build_target(smollm2_dir, "int4", "cpu", 128, n_layer=2)
     step = compile_step(target)
@@ -276,20 +275,20 @@ def test_a_compiled_cpu_run_decodes_plainly_by_default(tiny, capsys):
     the default does not draft (and says so), and a draft asked for runs with a warning."""
     from decode import get_args, run_draft
     target = load(tiny)
-    target.one_token_trunk, target.layout = target.trunk, "float32"  # (compile_step installs it compiled)
+    target.set_step_modes(one_token_trunk=target.trunk)  # (compile_step installs it compiled)
     tokenizer = None
     args = get_args(["--compile", "on"])
-    assert run_draft(args, target, tokenizer, None) is None and args.verifier == "none"
+    assert run_draft(args, target, {}, tokenizer, None) is None
     assert "--compile on compiles one-token steps only" in capsys.readouterr().err
     args = get_args(["--compile", "on", "--draft", "lookup"])
-    assert run_draft(args, target, tokenizer, None) is not None
+    assert run_draft(args, target, {}, tokenizer, None) is not None
     assert "drafting changes the output (--compile off drafts exactly)" in capsys.readouterr().err
 
 
 def test_auto_threads_leave_a_busy_core_alone():
     """--threads auto counts the cores nothing else uses: a busy process beside us takes one away."""
     import os
-    from machine import pick_threads
+    from engine.machine import pick_threads
     assert pick_threads("3") == 3
     if (os.cpu_count() or 1) < 2 or torch.get_num_threads() < 2:
         pytest.skip("needs two cores")
@@ -368,7 +367,7 @@ def test_adaptive_lookup_learns_from_what_plain_decoding_commits(tiny):
 
 
 def test_at_long_context_a_block_costs_more_steps_where_rows_attend_apart():
-    import layouts as LY
+    from engine import layouts as LY
     table = {"blocks_ms": {str(b): 10.0 + b for b in LY.BLOCKS}, "attention_ms_per_key": 0.01}
     apart, together = LY.block_cost_model(table, True), LY.block_cost_model(table, False)
     assert apart(0, 5000) == pytest.approx(1.0) and together(0, 5000) == pytest.approx(1.0)

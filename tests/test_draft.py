@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import checkpoints as CK
-import weights as WT
-import files as FL
-import linear_forms as LF
+from engine import checkpoints as CK
+from engine import weights as WT
+from engine import files as FL
+from engine import linear_forms as LF
 import model as M
-from checkpoints import load_draft, save_draft
+from engine.checkpoints import load_draft, save_draft
 from speculative import generate
 from draft import HybridDraft, LookupDraft
 from dflash import DFlashDraft, dflash_blocks, dflash_mask, dflash_target_layers
@@ -323,7 +323,7 @@ def test_every_committed_draft_loads_for_the_default_target_and_stays_small(smol
     """drafts/: each committed draft loads exactly for the target it was trained on (a stray or
     missing tensor is an error in load_draft) and stays under the 25 MB a repository can carry."""
     from pathlib import Path
-    from checkpoints import load_draft
+    from engine.checkpoints import load_draft
     committed = sorted(p for p in (Path(__file__).resolve().parent.parent / "drafts").iterdir() if p.is_dir())
     assert len(committed) >= 4
     target = WT.load_model(smollm2_dir)

@@ -225,7 +225,7 @@ def test_greedy_verification_at_temperature_above_zero_is_refused(models):
 @pytest.mark.parametrize("spec", [None, "lookup"])
 def test_bench_runs_sample_at_temperature_above_zero(models, spec):
     """The baseline every T > 0 speedup divides by is plain sampling, and a lookup run samples."""
-    import speed
+    from harness import speed
     target, runs = models["target"], 300
     exact = continuation_distribution(target, REPEATING, 2, T)
     generator = torch.Generator().manual_seed(0)

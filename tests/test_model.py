@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import weights as WT
-import layouts as LY
-import linear_forms as LF
+from engine import weights as WT
+from engine import layouts as LY
+from engine import linear_forms as LF
 import model as M
 from tokenizer import load_tokenizer
 
@@ -104,7 +104,7 @@ def test_coarse_layouts_give_blocks_the_bits_of_one_token_steps(tiny_dir, layout
     one-token steps give: its matmuls are exact per row, and its blocks attend row by row (after
     200 tokens of context, where attending the block at once parts from one-token steps in int4)."""
     m = LY.build_target(tiny_dir("qwen3_untied"), layout, "cpu", 256)
-    assert m.layers[0].self_attn.row_by_row
+    assert m.rows_attend_apart and LY.layout_of(m) == layout
     torch.manual_seed(0)
     tokens = torch.randint(0, 97, (1, 210))
     with torch.no_grad():

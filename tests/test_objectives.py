@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from test_draft import eagle3_net
 
-import weights as WT
+from engine import weights as WT
 import model as M
 import objectives as OB
 import train_vat as TV

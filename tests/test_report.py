@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-import speed
+from harness import speed
 import report
-from files import ROOT
+from engine.files import ROOT
 
 
 def test_readme_shows_what_the_results_file_renders_to():

@@ -1,7 +1,7 @@
 """results.py: results files are written whole, stamped, and survive a failing write."""
 import json
 
-import results
+from harness import results
 
 
 def test_results_survive_a_failing_write(tmp_path, monkeypatch, capsys):

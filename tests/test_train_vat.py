@@ -11,13 +11,13 @@ from conftest import tiny_chat_target
 from test_corpus import corpus_recipe
 from test_draft import dflash_net, eagle3_net
 
-import corpus as C
-import checkpoints as CK
-import weights as WT
-import linear_forms as LF
+from data import corpus as C
+from engine import checkpoints as CK
+from engine import weights as WT
+from engine import linear_forms as LF
 import model as M
-from checkpoints import load_draft
-from files import ROOT
+from engine.checkpoints import load_draft
+from engine.files import ROOT
 import objectives as OB
 import train_vat as TV
 from speculative import generate
@@ -187,7 +187,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     run = record["runs"]["run"]
     assert run["draft"] == kind and run["objective"] == "vat" and "cpu" in record["machine"]
     assert run["curve"]["step"] == [1, 2, 3, 4] and run["curve"]["real_tau"][1] is not None
-    from results import rounded
+    from harness.results import rounded
     assert run["curve"]["real_tau"] == rounded([s.get("real_tau") for s in log])  # (5 significant digits)
     with pytest.raises(ValueError, match="two runs named run"):
         TV.main(["--learning-curves", str(tmp_path / "curves.json"), "--runs", str(tmp_path / "run"),
@@ -231,7 +231,7 @@ def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, 
         mask = torch.zeros(2, 24)
         mask[:, 6:] = 1
         loss, _ = OB.DraftLoss(net, target, OB.LossSettings(frozenset(TV.VAT_PARTS)), ttt_steps=3,
-                               blocks_per_seq=2)(tokens, mask)
+                               blocks_per_seq=2, head_weight=LF.dense_weight(target.lm_head))(tokens, mask)
         loss.backward()
         assert all(p.grad is None for p in target.parameters())  # the target stays frozen
         grads.append({n: p.grad for n, p in net.named_parameters()})
@@ -323,7 +323,8 @@ def test_training_from_the_corpus_equals_training_on_the_fly(tmp_path, kind):
     corpus = C.Corpus(*C.build_corpus(target, tokenizer, recipe))
     assert len(corpus) == 10 and corpus.layers == C.corpus_layers(target.args.n_layer)
     net = eagle3_net(target, draft_vocab=97) if kind == "eagle3" else dflash_net(target, block=4)
-    loss = OB.DraftLoss(net, target, OB.LossSettings(frozenset(TV.VAT_PARTS)), ttt_steps=3, blocks_per_seq=2)
+    loss = OB.DraftLoss(net, target, OB.LossSettings(frozenset(TV.VAT_PARTS)), ttt_steps=3, blocks_per_seq=2,
+                        captured_layers=corpus.layers)
     batch = next(C.corpus_batches(corpus, range(2, 10), 200, 64, random.Random(0)))
     target.setup_caches(len(batch[0]), batch[0].shape[1])
     torch.manual_seed(1)

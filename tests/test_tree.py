@@ -133,16 +133,17 @@ def test_greedy_follows_the_argmax_down_the_tree():
 # -----------------------------------------------------------------------------
 # The target's tree attention: each node's row is its own path's one-token step
 
-import checkpoints as CK
-import files as FL
-import layouts as LY  # noqa: E402
+from engine import checkpoints as CK
+from engine import files as FL
+from engine import layouts as LY  # noqa: E402
 from speculative import generate  # noqa: E402
 from draft import tree_depths  # noqa: E402
 from draft import HybridDraft, LookupDraft
+from dflash import DFlashDraft
 from eagle3 import Eagle3Draft
 from test_emits import (FRESH, REPEATING, T, assert_fits, continuation_distribution, index_of,  # noqa: E402
                         median_head_probability)
-from conftest import eagle3_net  # noqa: E402
+from conftest import dflash_net, eagle3_net  # noqa: E402
 
 BRANCHING = [1, 2, 3, 1, 2, 4, 1, 2]  # "1 2" was followed by 4 and by 3: a lookup tree branches at its root
 
@@ -339,7 +340,7 @@ def test_cli_tree_flags(capsys):
 
 def test_bench_tree_specs():
     import bench
-    import speed
+    from harness import speed
     assert speed.parse_spec("lookup@tree16") == ("lookup", None, 16, False)
     assert speed.parse_spec("drafts/x@ee0.2@tree8") == ("drafts/x", 0.2, 8, False)
     assert speed.parse_spec("drafts/x@tree8@ee0.2") == ("drafts/x", 0.2, 8, False)  # in any order
@@ -357,15 +358,24 @@ def test_bench_tree_specs():
 # -----------------------------------------------------------------------------
 # The verification head's record (bench's reliability data), chains only
 
-def test_head_calibration_pairs_each_drafted_token_with_its_fate(models):
-    from stats import reliability
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_head_calibration_pairs_each_drafted_token_with_its_fate(models, kind):
+    """bench.py's watch on a draft's head: one (probability, kept) pair per drafted token, and the
+    watched draft decodes what the draft alone decodes."""
+    from bench import HeadCalibration
+    from harness.stats import reliability
     target = models["target"]
-    draft = tree_draft("eagle3", models, target)
-    draft.calibration = []
+    def fresh():
+        if kind == "dflash":
+            return DFlashDraft(dflash_net(target, block=4), target.embed_tokens, target.lm_head, target.max_seq_len)
+        return tree_draft(kind, models, target)
+    alone = generate(target, FRESH, fresh(), Verifier("greedy"), k=3, max_new_tokens=16)
+    draft = HeadCalibration(fresh())
     out = generate(target, FRESH, draft, Verifier("greedy"), k=3, max_new_tokens=16)
+    assert out["tokens"] == alone["tokens"] and out["drafted_tokens"] == alone["drafted_tokens"]
     kept = out["new_tokens"] - out["target_forwards"]  # (no stop token here: every step adds one of its own)
-    assert len(draft.calibration) == out["drafted_tokens"] and sum(k for _, k in draft.calibration) == kept
-    assert all(0 <= p <= 1 for p, _ in draft.calibration)
+    assert len(draft.pairs) == out["drafted_tokens"] and sum(k for _, k in draft.pairs) == kept
+    assert all(0 <= p <= 1 for p, _ in draft.pairs)
     r = reliability([(0.05, False), (0.15, True), (0.95, True), (1.0, True)], bins=10)
     assert r["tokens"] == 4 and r["kept_share"] == 0.75 and [b["tokens"] for b in r["bins"]] == [1, 1, 2]
     assert r["brier"] == pytest.approx((0.05 ** 2 + 0.85 ** 2 + 0.05 ** 2 + 0) / 4)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-import weights as WT
+from engine import weights as WT
 import model as M
 
 

@@ -5,7 +5,7 @@ checked to be non-empty text; a record of the wrong shape is a one-line error na
 import math
 from pathlib import Path
 
-from files import read_jsonl, read_text
+from engine.files import read_jsonl, read_text
 
 
 def prompt_text(record: dict) -> str:

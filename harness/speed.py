@@ -17,13 +17,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from checkpoints import build_draft, checkpoint_step
-from machine import peak_memory_mb, reset_peak_memory
-from peers import hf_peer, llama_cpp_peer
+from engine.checkpoints import build_draft, checkpoint_step
+from engine.layouts import run_block_costs
+from engine.machine import peak_memory_mb, reset_peak_memory
+from harness.peers import hf_peer, llama_cpp_peer
 from speculative import adaptive, generate
-from stats import paired_ratio, quartiles
+from harness.stats import paired_ratio, quartiles
 from verify import VERIFIERS, Verifier
-from weights import DEFAULT_TARGET, resolve_model
+from engine.weights import DEFAULT_TARGET, resolve_model
 
 SUFFIX = re.compile(r"@(ee|tree|adapt)([^@]*)")
 
@@ -79,12 +80,14 @@ def draft_label(spec: str) -> str:
     return name + (" +adaptive" if adapt else "")
 
 
-def make_draft(spec, target, tokenizer, temperature, generator):
-    """A --drafts entry (parse_spec) as a draft; the run's tree budget is parse_spec's too."""
+def make_draft(spec, target, tokenizer, temperature, generator, choice: dict):
+    """A --drafts entry (parse_spec) as a draft; the run's tree budget is parse_spec's too. choice:
+    auto's layout decision for the target ({} for a layout named), whose block costs an adaptive
+    draft weighs."""
     base, early_exit, tree, adapt = parse_spec(spec)
     draft = build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
                         early_exit=early_exit)
-    return adaptive(draft, target, tree, temperature) if adapt else draft
+    return adaptive(draft, run_block_costs(target, choice), tree, temperature) if adapt else draft
 
 
 @dataclass

@@ -12,11 +12,11 @@ import time
 import torch
 from tqdm import tqdm
 
-import linear_forms as LF
+from engine import linear_forms as LF
 import model as M
-from files import DATA, read_jsonl
-from layouts import LAYOUTS, apply_layout, block_cost_model, layout_dtype, load_target
-from machine import compile_step
+from engine.files import DATA, read_jsonl
+from engine.layouts import LAYOUTS, apply_layout, block_cost_model, layout_dtype, load_target
+from engine.machine import compile_step
 
 # -----------------------------------------------------------------------------
 # Decode-speed table: the named targets' shapes with random weights, against the bandwidth floor.
@@ -198,7 +198,7 @@ def weights_quality(target_name: str, n_texts: int, max_tokens: int = 400) -> di
     for _, r in read_jsonl(DATA / "gsm8k_test.jsonl")[:n_texts]:
         ids = torch.tensor([tokenizer.encode(r["question"] + "\n" + r["answer"])[:max_tokens]])
         positions = torch.arange(ids.shape[1])
-        logits = {name: model(ids, positions)[0][0, :-1].float() for name, (model, _) in models.items()}
+        logits = {name: model(ids, positions)[0][0, :-1].float() for name, (model, _, _) in models.items()}
         count += ids.shape[1] - 1
         for name, lg in logits.items():
             nll[name] += torch.nn.functional.cross_entropy(lg, ids[0, 1:], reduction="sum").item()

@@ -6,18 +6,22 @@ and model, and every forward of the run uses it: plain one-token steps, verifica
 and the prefill. So greedy speculation emits plain decoding's tokens bit for bit, and a run that
 drafts can always fall back to the plain step at the plain step's speed.
 
-The choice is made by measurement, on a probe: a model of the target's first four layers with its
-real embedding and head, built once in each candidate layout (never a copy of the whole model, so
-an 8B target is chosen for within its own footprint). A forward of the whole model is estimated as
-head + n_layer * (one layer), both timed on the probe. auto takes the candidate whose one-token
-step is fastest among those whose blocks give the bits of one-token steps here: every speculative
-run pauses into one-token steps where drafting does not pay (draft.AdaptiveDraft), so the plain
-step's speed is what it can never fall below. The same probe then times blocks of 1..16 tokens in
-the chosen layout: the table AdaptiveDraft weighs a block's cost against its expected tokens with.
+The choice is made by measurement, on probes: a model of the target's first four layers with its
+real embedding and head, and the same with no layers, built once in each candidate layout (never
+a copy of the whole model, so an 8B target is chosen for within its own footprint). A forward of
+the whole model is estimated as head + n_layer * (one layer), both timed on the probes. auto
+takes the candidate whose one-token step is fastest: every speculative run pauses into one-token
+steps where drafting does not pay (draft.AdaptiveDraft), so the plain step's speed is what it can
+never fall below. Where that layout's blocks do not give the bits of one-token steps here, the
+choice says so (inexact) and decode.py's default decodes plainly. The same probes then time
+blocks of 1..16 tokens in the chosen layout: the table AdaptiveDraft weighs a block's cost
+against its expected tokens with.
 
 Decisions are kept in LAYOUT_CACHE, whole (written atomically) and only when nothing else kept a
-core busy while they were timed, keyed by the step code's digest too: new step code is timed anew.
+core busy while they were timed, keyed by the step code's digest too: new step code is timed anew
+(a new comment is not).
 """
+import ast
 import hashlib
 import json
 import math
@@ -29,12 +33,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import linear_forms as LF
+from engine import linear_forms as LF
 import model as M
-from files import write_atomically
-from machine import machine_is_quiet, machine_problem
+from engine.files import write_atomically
+from engine.machine import machine_is_quiet, machine_problem
 from tokenizer import load_tokenizer
-from weights import cache_dir, load_model, read_config, resolve_model
+from engine.weights import cache_dir, load_model, read_config, resolve_model
 
 # -----------------------------------------------------------------------------
 # The layouts
@@ -66,10 +70,18 @@ def apply_layout(model: M.Transformer, layout: str, device: str) -> M.Transforme
         LF.quantize_int4(model)  # from the fp32 weights, then the rest in bf16
     elif layout.endswith("-packed"):
         LF.pack_for_cpu(model)
-    if layout.startswith("bfloat16") and device == "cpu":
-        LF.attend_row_by_row(model)
-    model.layout = layout
+    if layout in ("int8", "int4") or layout.startswith("bfloat16") and device == "cpu":
+        model.attend_rows_apart()  # coarse activations: blocks must give the bits of one-token steps
     return model
+
+
+def layout_of(model: M.Transformer) -> str:
+    """The layout a model runs in (one of LAYOUTS), read off the form of its decoder Linears."""
+    linear = model.layers[0].mlp.down_proj
+    if isinstance(linear, (LF.Int4Linear, LF.Int8Linear)):
+        return "int4" if isinstance(linear, LF.Int4Linear) else "int8"
+    dtype = str(linear.weight.dtype).removeprefix("torch.")
+    return f"{dtype}-packed" if isinstance(linear, LF.PackedLinear) else dtype
 
 
 def build_target(path: Path, layout: str, device: str, max_seq_len: int, n_layer: int | None = None):
@@ -177,19 +189,20 @@ def attention_ms_per_key(probe: M.Transformer, n_layer: int) -> float:
     return max(long - short, 0.0) * 1e3 / (LONG_CONTEXT - 64) * n_layer / len(probe.layers)
 
 
-def estimated_ms(probe: M.Transformer, n_layer: int, block: int) -> float:
-    """Milliseconds of a whole model's forward of `block` tokens, from its probe: the probe without
-    its layers (embedding, norm, head), plus n_layer times what one of its layers adds."""
-    layers = probe.layers
-    try:
-        probe.layers = torch.nn.ModuleList()
-        head = step_seconds(probe, block, cold=True)
-        probe.layers = layers
-        with_layers = step_seconds(probe, block, cold=True)
-    finally:
-        probe.layers = layers
-    per_layer = max(with_layers - head, 0.0) / len(layers)
-    return round(1e3 * (head + n_layer * per_layer), 3)
+def build_probes(path: Path, layout: str, context: int) -> tuple:
+    """(probe, head): the model's first PROBE_LAYERS layers with its real embedding and head, and
+    the same model with no layers (embedding, norm, head), in `layout`."""
+    return (build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS),
+            build_target(path, layout, "cpu", context, n_layer=0))
+
+
+def estimated_ms(probe: M.Transformer, head: M.Transformer, n_layer: int, block: int) -> float:
+    """Milliseconds of a whole model's forward of `block` tokens, from its probes (build_probes):
+    the head alone, plus n_layer times what one of the probe's layers adds to it."""
+    head_seconds = step_seconds(head, block, cold=True)
+    with_layers = step_seconds(probe, block, cold=True)
+    per_layer = max(with_layers - head_seconds, 0.0) / len(probe.layers)
+    return round(1e3 * (head_seconds + n_layer * per_layer), 3)
 
 
 # A layout that rounds activations coarsely (bf16, int4) keeps greedy speculation exact only if a
@@ -220,10 +233,10 @@ def blocks_match_steps(target: M.Transformer, block: int, trials: int = 3, step=
     return True
 
 
-def inexact_blocks(probe: M.Transformer) -> list:
+def inexact_blocks(probe: M.Transformer, layout: str) -> list:
     """The block sizes (of BLOCKS) whose rows do not give the bits of one-token steps, where the
-    layout promises them (EXACT_LAYOUTS); [] for the others."""
-    if probe.layout not in EXACT_LAYOUTS:
+    probe's layout promises them (EXACT_LAYOUTS); [] for the others."""
+    if layout not in EXACT_LAYOUTS:
         return []
     return [b for b in BLOCKS[1:] if not blocks_match_steps(probe, b, trials=1)]
 
@@ -231,11 +244,27 @@ def inexact_blocks(probe: M.Transformer) -> list:
 # -----------------------------------------------------------------------------
 # The decision, made once per machine and model, and kept
 
+def step_code_digest() -> str:
+    """A digest of the code a step runs (model.py and linear_forms.py) as Python compiles it:
+    docstrings, comments and line layout left out, so a decision timed on other code is timed
+    again, and an edit of the text alone keeps it."""
+    trees = []
+    for module in (M, LF):
+        tree = ast.parse(Path(module.__file__).read_text())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                    isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        trees.append(ast.dump(tree))
+    return hashlib.sha1("\n".join(trees).encode()).hexdigest()[:10]
+
+
 def cache_key(path: Path, what: str) -> str:
     """What a kept decision holds for: the CPU, torch, threads, the model, and the step's code
-    (model.py's and linear_forms.py's digest: a decision timed on other code is timed again)."""
+    (step_code_digest)."""
     cpu = cpu_description()
-    step_code = hashlib.sha1(b"".join(Path(m.__file__).read_bytes() for m in (M, LF))).hexdigest()[:10]
+    step_code = step_code_digest()
     return " | ".join([cpu["cpu"], ",".join(cpu["cpu_features"]), f"torch {torch.__version__}",
                        f"{torch.get_num_threads()} threads", str(Path(path).resolve()), what, f"step code {step_code}"])
 
@@ -305,11 +334,11 @@ def choose_layout(path: Path) -> dict:
     ms, inexact = {}, []
     context = LONG_CONTEXT + max(BLOCKS)  # (a probe's cache is small whatever the run's context)
     for layout in tqdm(layout_candidates(path), desc="timing weight layouts (once per CPU)", file=sys.stderr):
-        probe = build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS)
-        ms[layout] = estimated_ms(probe, n_layer, 1)
-        if inexact_blocks(probe):
+        probe, head = build_probes(path, layout, context)
+        ms[layout] = estimated_ms(probe, head, n_layer, 1)
+        if inexact_blocks(probe, layout):
             inexact.append(layout)
-        del probe
+        del probe, head
         release_memory()
     best = min(ms, key=ms.get)
     entry = {"layout": best, "ms": ms, "inexact": inexact, **measure_blocks(path, best, n_layer),
@@ -321,8 +350,8 @@ def choose_layout(path: Path) -> dict:
 def measure_blocks(path: Path, layout: str, n_layer: int) -> dict:
     """A layout's block table, from a probe: the estimated forward of each block size, and what a
     cached key adds to one query's attention."""
-    probe = build_target(path, layout, "cpu", LONG_CONTEXT + max(BLOCKS), n_layer=PROBE_LAYERS)
-    return {"blocks_ms": {str(b): estimated_ms(probe, n_layer, b) for b in BLOCKS},
+    probe, head = build_probes(path, layout, LONG_CONTEXT + max(BLOCKS))
+    return {"blocks_ms": {str(b): estimated_ms(probe, head, n_layer, b) for b in BLOCKS},
             "attention_ms_per_key": attention_ms_per_key(probe, n_layer)}
 
 
@@ -385,8 +414,8 @@ def block_costs(blocks_ms: dict, max_block: int) -> list:
 def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int):
     """Resolve, load and prepare a model for inference in `layout` (one of LAYOUTS), or, with
     'auto' on a CPU, in the layout chosen for this machine (choose_layout). Returns (target,
-    tokenizer); target.layout names the layout, target.choice holds auto's decision ({} when the
-    layout was asked for by name)."""
+    tokenizer, choice): choice is auto's decision (choose_layout), {} when the layout was asked for
+    by name; layout_of(target) names the layout either way."""
     path = resolve_model(name_or_path)
     problem = layout_problem(path, layout)
     if problem:
@@ -396,8 +425,7 @@ def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int):
         choice = choose_layout(path)
         layout = choice["layout"]
     target = build_target(path, layout, device, max_seq_len)
-    target.choice = choice
-    return target, load_tokenizer(path)
+    return target, load_tokenizer(path), choice
 
 
 def block_cost_model(table: dict, rows_attend_apart: bool):
@@ -415,36 +443,33 @@ def block_cost_model(table: dict, rows_attend_apart: bool):
     return cost
 
 
-def run_block_costs(target: M.Transformer) -> tuple:
+def run_block_costs(target: M.Transformer, choice: dict) -> tuple:
     """(cost(n, context) (block_cost_model) of a loaded CPU target in its layout, seconds of its
-    one-token step); (None, None) on a GPU, where they are not timed."""
+    one-token step): from auto's decision `choice`, or for a layout asked for by name ({}), its
+    own block table; (None, None) on a GPU, where they are not timed."""
     if target.embed_tokens.weight.device.type != "cpu":
         return None, None
-    table = target.choice if getattr(target, "choice", None) else \
-        block_table(target.source, target.layout)
-    apart = any(isinstance(m, M.Attention) and m.row_by_row for m in target.modules())
-    return block_cost_model(table, apart), float(table["blocks_ms"]["1"]) / 1e3
+    table = choice or block_table(target.source, layout_of(target))
+    return block_cost_model(table, target.rows_attend_apart), float(table["blocks_ms"]["1"]) / 1e3
 
 
-def drafting_is_exact(target: M.Transformer, block: int, step=None) -> bool:
+def drafting_is_exact(target: M.Transformer, choice: dict, block: int, step=None) -> bool:
     """Whether verification blocks give the bits of one-token steps in the run's layout: as auto's
     probe saw it, or, for a coarse layout asked for by name, checked now on blocks of `block` tokens
     with the run's forward `step` (default the target's own; fp32's blocks differ from its steps
     by 2^-24 relative at most, which EXACT_LAYOUTS says)."""
-    choice = getattr(target, "choice", None)
     if choice and step is None:  # (auto's probe timed eager forwards, not compiled ones)
         return choice["layout"] not in choice["inexact"]
-    return target.layout not in EXACT_LAYOUTS or target.embed_tokens.weight.device.type != "cpu" \
+    return layout_of(target) not in EXACT_LAYOUTS or target.embed_tokens.weight.device.type != "cpu" \
         or blocks_match_steps(target, block, step=step)
 
 
-def layout_reason(target: M.Transformer) -> str:
-    """One line on why a run's weights are in their layout."""
-    choice = getattr(target, "choice", None)
+def layout_reason(target: M.Transformer, choice: dict) -> str:
+    """One line on why a run's weights are in their layout (choice: auto's decision, or {})."""
     if not choice:
-        return f"{target.layout} weights, as asked"
+        return f"{layout_of(target)} weights, as asked"
     others = ", ".join(f"{layout} {ms:.1f}" for layout, ms in choice["ms"].items() if layout != choice["layout"])
-    return (f"{target.layout} weights: auto's fastest one-token step here, {choice['ms'][choice['layout']]:.1f} "
+    return (f"{layout_of(target)} weights: auto's fastest one-token step here, {choice['ms'][choice['layout']]:.1f} "
             f"ms (est.; {others})")
 
 

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
-import linear_forms as LF
+from engine import linear_forms as LF
 import model as M
 from dflash import DFlash, DFlashDraft, dflash_target_layers
 from draft import HybridDraft, LookupDraft, ModelDraft
 from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
-from files import (ROOT, directory_written_atomically, first_non_finite, remove_stale_temporaries,
+from engine.files import (ROOT, directory_written_atomically, first_non_finite, remove_stale_temporaries,
                    write_atomically)
 from model import CheckpointError
 from tokenizer import load_tokenizer
-from weights import (DEFAULT_TARGET, fuse_hf, load_model, read_config, read_safetensors, resolve_model,
+from engine.weights import (DEFAULT_TARGET, fuse_hf, load_model, read_config, read_safetensors, resolve_model,
                      unfuse_to_hf)
 
 # -----------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def warn_if_trained_for_another_target(path: Path, config: dict, target: M.Trans
     """A draft records the target it was trained for (train_vat's checkpoints do); one trained for
     another target of the same shape loads, but its guesses will rarely be kept: say so."""
     recorded = (config.get("vat") or {}).get("target") or config.get("target")
-    source = getattr(target, "source", None)
+    source = target.source
     if not recorded or source is None:
         return
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-import linear_forms as LF
+from engine import linear_forms as LF
 
 
 def default_device() -> str:
@@ -95,10 +95,10 @@ def compile_step(target, mode: str = "default"):
     length); mode "reduce-overhead" adds CUDA graphs."""
     if target.embed_tokens.weight.device.type == "cpu":
         unpack(target.layers)
-        target.one_token_trunk = torch.compile(target.trunk, dynamic=True, options={
-            "freezing": True, "cpp_wrapper": True, "emulate_precision_casts": True})
+        target.set_step_modes(one_token_trunk=torch.compile(target.trunk, dynamic=True, options={
+            "freezing": True, "cpp_wrapper": True, "emulate_precision_casts": True}))
         return target
-    target.attend_full_cache = True
+    target.set_step_modes(attend_full_cache=True)
     return torch.compile(target, dynamic=False, mode=mode)
 
 
@@ -143,3 +143,29 @@ def peak_memory_mb(device: str) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# The machine options every script that runs the target shares, declared once. Their values are
+# checked together by machine_problem, before any weights load.
+MACHINE_OPTIONS = {
+    "device": dict(default=None, help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)"),
+    "dtype": dict(default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
+                  help="the target's weights. auto (default): one layout for the whole run, the one whose "
+                       "one-token step was timed fastest here (bf16 on CUDA; README: weight layouts); int8 and "
+                       "int4 change the model a little"),
+    "compile": dict(default="auto", choices=("auto", "on", "off"),
+                    help="torch.compile the decode step; auto: on for CUDA only. On a CPU the one-token step "
+                         "compiles once (slowly at first, then cached on disk), which pays only over long runs"),
+    "threads": dict(default="auto", help="CPU threads; auto: one per core idle at the start (a thread on a busy "
+                                         "core stalls the others: time with nothing else running)"),
+}
+
+
+def add_machine_options(group, *names: str):
+    """Declare the named MACHINE_OPTIONS (--device, --dtype, --compile, --threads) on an argparse
+    group; --device's default is resolved here, where the script starts."""
+    for name in names:
+        options = dict(MACHINE_OPTIONS[name])
+        if name == "device":
+            options["default"] = default_device()
+        group.add_argument(f"--{name}", **options)

@@ -16,7 +16,7 @@ import torch
 
 from model import CheckpointError
 
-ROOT = Path(__file__).resolve().parent  # the repository: data/, drafts/, docs/ and the default runs/
+ROOT = Path(__file__).resolve().parent.parent  # the repository: data/, drafts/, docs/ and the default runs/
 DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
 
 

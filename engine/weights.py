@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import model as M
-from files import directory_written_atomically, read_json_object, remove_stale_temporaries
+from engine.files import directory_written_atomically, read_json_object, remove_stale_temporaries
 from model import CheckpointError
 
 # -----------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def load_model(model_dir, dtype=torch.float32, device="cpu", n_layer: int | None
         wanted = lambda key: layer_of(key) is None or int(layer_of(key).group(1)) < n_layer  # noqa: E731
     sd = hf_to_ours(read_safetensors(model_dir, wanted, dtype), args)
     with torch.device("meta"):
-        model = M.Transformer(args)
+        model = M.Transformer(args, source=model_dir.resolve())
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -224,9 +224,7 @@ def load_model(model_dir, dtype=torch.float32, device="cpu", n_layer: int | None
         raise CheckpointError(f"tensor {bad} in {model_dir} holds non-finite values: refusing to run it")
     sd = {k: sd.pop(k).to(device=device) for k in expected}
     model.load_state_dict(sd, strict=False, assign=True)
-    if args.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.source = model_dir.resolve()  # the directory it came from: drafts record which target they serve
+    model.tie_weights()
     return model.eval().requires_grad_(False)  # targets are only ever run; drafts train beside them
 
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from weights import embedded_gguf_path
+from engine.weights import embedded_gguf_path
 
 
 def hf_peer(target_dir, kind: str, k: int):

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from dflash import dflash_target_layers
 from eagle3 import eagle3_target_layers
-from files import DATA, first_non_finite, repo_path, save_atomically, write_atomically
-from prompts import read_prompts
+from engine.files import DATA, first_non_finite, repo_path, save_atomically, write_atomically
+from data.prompts import read_prompts
 from verify import probs_from_logits, sample
 
 DEFAULT_DATA = ["data/gsm8k_train.jsonl", "data/alpaca_seed_tasks.jsonl"]  # relative to the repository

@@ -8,7 +8,6 @@ that (tests/test_model.py checks it). Which form a run takes is layouts.py's.
 import torch
 import torch.nn as nn
 
-from model import Attention
 
 
 class PackedLinear(nn.Module):
@@ -54,17 +53,6 @@ def pack_for_cpu(model: nn.Module, batch_hint: int = 8) -> nn.Module:
     return model
 
 
-def attend_row_by_row(model: nn.Module) -> nn.Module:
-    """Make every verification block attend one query at a time (in place), as a one-token step
-    does. Needed where activations are rounded coarsely (bf16, int8, int4): there the float noise of
-    a different attention kernel would turn into different tokens. The matmuls of these layouts give
-    each row the same bits whatever the rows around it (tests/test_model.py checks it)."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.row_by_row = True
-    return model
-
-
 class Int8Linear(nn.Module):
     """A frozen nn.Linear with int8 weights (symmetric, one scale per output channel) that quantizes
     its input per token (one scale per row) and multiplies in integers (torch._int_mm). Integer
@@ -107,7 +95,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         for name, child in list(module.named_children()):  # (each replaced Linear is freed at once)
             if type(child) is nn.Linear:
                 setattr(module, name, Int8Linear(child))
-    return attend_row_by_row(model)
+    return model
 
 
 INT4_GROUP = 32  # inputs per scale and offset, as in the GGUF Q4_1 blocks the default target ships in
@@ -169,4 +157,4 @@ def quantize_int4(model: nn.Module) -> nn.Module:
             if type(child) is nn.Linear and name != "lm_head" and child.in_features % INT4_GROUP == 0 \
                     and child.out_features % 16 == 0:  # (what torch's int4 packing takes)
                 setattr(module, name, Int4Linear(child))
-    return attend_row_by_row(pack_for_cpu(model.to(torch.bfloat16)))
+    return pack_for_cpu(model.to(torch.bfloat16))

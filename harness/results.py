@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from files import ROOT, repo_relative, write_atomically
-from layouts import cpu_description
+from engine.files import ROOT, repo_relative, write_atomically
+from engine.layouts import cpu_description
 
 
 def machine_stamp(device: str) -> dict:

@@ -1,0 +1,12 @@
+"""
+The engine: what finds, loads and saves weights and runs them fast on a CPU. The reference at the
+top level (model.py, the drafts, verify.py, the loop, the objectives) imports nothing from here; the
+scripts hand it what the engine prepared.
+
+    weights.py       names, local directories, the Hugging Face cache, the embedded GGUF's conversion
+    checkpoints.py   draft folders and training checkpoints: build, load, export, save atomically
+    files.py         paths of the repository, atomic writes, JSON and JSONL reading with one-line errors
+    linear_forms.py  the CPU forms of a Linear (oneDNN-packed, int8, int4) and the swaps into them
+    layouts.py       which form a run's target takes (--dtype auto: timed once per CPU) and its cache
+    machine.py       device, threads, torch.compile of the step, memory figures
+"""
