@@ -1,0 +1,72 @@
+"""The reference apart from its engine: the core modules (the top level's concept files) import
+nothing from the engine, the harness or the data packages; nothing outside model.py assigns a
+model's attributes; the loop and the drafts read a draft's declared interface, never getattr."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ("model.py", "tokenizer.py", "verify.py", "draft.py", "eagle3.py", "dflash.py", "speculative.py",
+        "objectives.py")
+SCRIPTS = ("decode.py", "train_vat.py", "bench.py")
+PACKAGES = ("engine", "harness", "data", "experiments")
+
+
+def imported_modules(path: Path) -> set:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_top_level_is_the_card_and_its_concepts():
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert top == sorted(CORE + SCRIPTS), top
+    assert len(top) <= 12
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_a_core_module_imports_no_package(name):
+    local = {p.stem for p in ROOT.glob("*.py")}
+    imports = imported_modules(ROOT / name)
+    assert not {m for m in imports if m.split(".")[0] in PACKAGES}, imports
+    assert {m for m in imports if m in local} <= {Path(c).stem for c in CORE}  # no script either
+
+
+def test_no_model_attribute_is_assigned_outside_model_py():
+    """target.x = ... or model.x = ... only inside model.py: a model's modes are its methods."""
+    offenders = []
+    for path in [p for p in ROOT.rglob("*.py") if "tests" not in p.parts and p.name != "model.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and \
+                            sub.value.id in ("target", "model", "probe"):
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders
+
+
+@pytest.mark.parametrize("name", ["speculative.py", "draft.py"])
+def test_the_loop_reads_a_drafts_declared_interface(name):
+    calls = [n for n in ast.walk(ast.parse((ROOT / name).read_text()))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr")]
+    assert not calls
+
+
+def test_every_draft_declares_the_interface():
+    """Each draft class derives from draft.Draft, so what the loop reads is declared with its shapes."""
+    import dflash
+    import draft
+    import eagle3
+    for cls in (draft.NoDraft, draft.LookupDraft, draft.ModelDraft, draft.HybridDraft, draft.AdaptiveDraft,
+                eagle3.Eagle3Draft, dflash.DFlashDraft):
+        assert issubclass(cls, draft.Draft), cls
+    declared = set(draft.Draft.__annotations__)
+    assert {"target_layers", "forwards", "max_tokens", "free", "sizes_trees", "proposal_head_logits"} <= declared
