@@ -19,7 +19,8 @@ import torch
 import model as M
 from engine.checkpoints import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
 from engine.files import repo_path, repo_relative
-from engine.layouts import drafting_is_exact, layout_of, layout_reason, load_target, run_block_costs, target_layout
+from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, recheck_kept_timing,
+                            run_block_costs, target_layout)
 from engine.machine import add_machine_options, compile_step, machine_problem, pick_threads, wants_compile
 from data.prompts import read_prompts
 from speculative import DECODE_K, adaptive, adaptive_tree_problem, check_request, exact_verifier, generate
@@ -108,6 +109,9 @@ def add_machine_args(ap):
     add_machine_options(g, "device", "dtype", "compile", "threads")
     g.add_argument("--no-pack", dest="pack", action="store_false",
                    help="with --dtype float32 or bfloat16 on CPU, keep nn.Linear weights unpacked (not oneDNN's layout)")
+    g.add_argument("--retime", action="store_true",
+                   help="time the weight layouts again before loading (a kept timing made while the machine was "
+                        "busy would steer --dtype auto and --adaptive); run it with nothing else busy")
     g.add_argument("--json", action="store_true", help="end with one JSON line of results per prompt")
 
 
@@ -277,6 +281,8 @@ def main(argv=None):
     context = min(args.max_seq_len, M.ModelArgs.from_hf_config(read_config(path)).max_position_embeddings)
     encoded = encode_prompts(args, tokenizer, context, verifier)  # every prompt checked before loading
     layout = target_layout(args.dtype, args.device, compiled, args.pack)
+    if args.retime:
+        print(f"note: --retime: {forget_timings(path)} kept layout timings of this model dropped", file=sys.stderr)
     # the cache holds what this run can reach, not all of --max-seq-len
     reach = max(len(ids) for ids in encoded) + args.max_new_tokens + max(args.num_draft_tokens, args.tree) + 1
     target, _, choice = load_target(str(path), args.device, layout, min(context, reach))
@@ -284,8 +290,25 @@ def main(argv=None):
     print(f"[{layout_reason(target, choice)}]", file=sys.stderr)
     step_fn = compiled_step(target, args.device) if compiled else target
     draft = run_draft(args, target, choice, tokenizer, generator, step_fn if compiled else None)
-    layout = layout_of(target)
+    results = decode_prompts(args, encoded, target, tokenizer, draft, verifier, generator, step_fn)
+    if args.device == "cpu" and not compiled:  # (a compiled step is faster than the eager one timed)
+        recheck_timing(path, target, bool(choice), encoded, results)
 
+
+def recheck_timing(path, target, auto: bool, encoded: list, results: list):
+    """The run's own time a target forward against the kept layout timing it decoded by, which is
+    timed again at the next start where this run was much faster (engine.layouts.recheck_kept_timing)."""
+    forwards = sum(r["target_forwards"] for r in results)
+    seconds = sum(r["seconds"] - r["prefill_seconds"] - r["draft_seconds"] for r in results)
+    context = sum(len(ids) + r["new_tokens"] / 2 for ids, r in zip(encoded, results)) / max(len(results), 1)
+    if forwards:
+        recheck_kept_timing(path, layout_of(target), auto, 1e3 * seconds / forwards, round(context))
+
+
+def decode_prompts(args, encoded: list, target, tokenizer, draft, verifier, generator, step_fn) -> list:
+    """Decode each prompt, streaming its text to stdout and a summary line to stderr (and with
+    --json its results); returns generate's results."""
+    layout, results = layout_of(target), []
     show = TokenColours(args.show and sys.stdout.isatty())
     if show.on:
         print(show.legend(args.num_draft_tokens), file=sys.stderr)
@@ -313,6 +336,8 @@ def main(argv=None):
                           verifier=args.verifier if draft else "none", layout=layout, tree=args.tree,
                           k=args.num_draft_tokens if draft else 0, temperature=args.temperature)
             print(json.dumps(result))
+        results.append(result)
+    return results
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Hidden-state index convention (used by the drafts in eagle3.py and dflash.py), o
     final norm. This equals transformers' `output_hidden_states[i]` for i < n_layer (its last
     entry has the final norm applied, ours does not). "The output of layer j" is hidden[j + 1].
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -280,6 +281,15 @@ class Transformer(nn.Module):
         self.tie_weights()
         self.max_seq_len = 0
         self.set_step_modes()
+
+    def without_layers(self) -> "Transformer":
+        """A model with no decoder layers that shares this one's embedding, final norm and head (no
+        copy): what the head alone costs, which the CPU engine's probes time apart from a layer."""
+        with torch.device("meta"):
+            head = Transformer(dataclasses.replace(self.args, n_layer=0), self.source)
+        head.embed_tokens, head.norm, head.lm_head = self.embed_tokens, self.norm, self.lm_head
+        head.setup_caches(1, self.max_seq_len)
+        return head
 
     def tie_weights(self):
         """With tie_word_embeddings, the output head reads the embedding table (again after a

@@ -38,7 +38,7 @@ import model as M
 from engine.files import write_atomically
 from engine.machine import machine_is_quiet, machine_problem
 from tokenizer import load_tokenizer
-from engine.weights import cache_dir, load_model, read_config, resolve_model
+from engine.weights import cache_dir, check_checkpoint, load_model, read_config, resolve_model
 
 # -----------------------------------------------------------------------------
 # The layouts
@@ -191,9 +191,10 @@ def attention_ms_per_key(probe: M.Transformer, n_layer: int) -> float:
 
 def build_probes(path: Path, layout: str, context: int) -> tuple:
     """(probe, head): the model's first PROBE_LAYERS layers with its real embedding and head, and
-    the same model with no layers (embedding, norm, head), in `layout`."""
-    return (build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS),
-            build_target(path, layout, "cpu", context, n_layer=0))
+    the same with no layers (embedding, norm, head, shared with the probe: no second copy), in
+    `layout`."""
+    probe = build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS)
+    return probe, probe.without_layers()
 
 
 def estimated_ms(probe: M.Transformer, head: M.Transformer, n_layer: int, block: int) -> float:
@@ -280,21 +281,73 @@ def read_cache() -> dict:
     return cache if isinstance(cache, dict) else {}
 
 
-def keep(key: str, entry: dict, quiet: bool):
-    """Add a decision to the cache if it was timed on a quiet machine; a cache that cannot be
-    written is named, and the run goes on with the decision it made."""
-    if not quiet:
-        print("note: another process kept a core busy while the weight layouts were timed: the choice "
-              "is used for this run only", file=sys.stderr)
+def keep(key: str, entry: dict, quiet: bool, agreed: bool = True):
+    """Add a decision to the cache if it was timed on a quiet machine and its repeated timings
+    agreed; a cache that cannot be written is named, and the run goes on with the decision it made."""
+    if not quiet or not agreed:
+        why = "another process kept a core busy" if not quiet else "the same step timed twice disagreed"
+        print(f"note: {why} while the weight layouts were timed: the choice is used for this run only",
+              file=sys.stderr)
         return
     cache = read_cache()
     cache[key] = entry
+    write_cache(cache)
+
+
+def write_cache(cache: dict):
+    """LAYOUT_CACHE rewritten whole; through a symbolic link, the file it points to (a shared
+    cache stays shared). One that cannot be written is named."""
     try:
-        LAYOUT_CACHE.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(LAYOUT_CACHE, json.dumps(cache, indent=1))
-    except OSError as e:
-        print(f"note: the layout choice could not be kept in {LAYOUT_CACHE} ({e.strerror}): "
+        path = LAYOUT_CACHE.resolve() if LAYOUT_CACHE.is_symlink() else LAYOUT_CACHE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(cache, indent=1))
+    except (OSError, RuntimeError) as e:  # (RuntimeError: a loop of links)
+        print(f"note: the layout choice could not be kept in {LAYOUT_CACHE} ({getattr(e, 'strerror', None) or e}): "
               f"it is used for this run only", file=sys.stderr)
+
+
+# A kept timing is trusted until a run shows it was disturbed: a run whose forwards take less than
+# the kept one-token step / RUN_MARGIN measured what the probes could not have (a busy machine only
+# slows a timing down), and its entry is marked stale, to be timed again at the next start. The
+# margin leaves room for the probes' cold-cache estimate, which a warm run beats a little.
+RUN_MARGIN = 1.5
+# Two timings of the same one-token step that part by more than this are not kept.
+REPEAT_AGREEMENT = 1.25
+
+
+def agree(a: float, b: float) -> bool:
+    return max(a, b) <= REPEAT_AGREEMENT * min(a, b)
+
+
+def recheck_kept_timing(path: Path, layout: str, auto: bool, step_ms: float, context: int) -> bool:
+    """After a run: compare its measured time a forward, step_ms at about `context` cached tokens,
+    with the kept entry it decoded by (auto's choice, or the block table of a layout named); where
+    the run was faster by more than RUN_MARGIN, mark the entry stale (timed again at the next
+    start). Returns whether it did."""
+    key = cache_key(path, "layout" if auto else f"blocks {layout}")
+    cache = read_cache()
+    entry = cache.get(key)
+    if not valid_block_table(entry) or not (finite(step_ms) and step_ms > 0):
+        return False
+    kept = float(entry["blocks_ms"]["1"]) + float(entry["attention_ms_per_key"]) * max(context - 64, 0)
+    if step_ms * RUN_MARGIN >= kept:
+        return False
+    entry["stale"] = f"a run measured {step_ms:.1f} ms a forward against {kept:.1f} kept"
+    write_cache(cache)  # (silently: the next start says it is timing the layouts)
+    return True
+
+
+def forget_timings(path: Path) -> int:
+    """Drop every kept decision for the model at `path` (decode.py --retime): the next load times
+    again. Returns how many were dropped."""
+    model = str(Path(path).resolve())
+    cache = read_cache()
+    dropped = [key for key in cache if f" | {model} | " in key]
+    for key in dropped:
+        del cache[key]
+    if dropped:
+        write_cache(cache)
+    return len(dropped)
 
 
 def finite(value) -> bool:
@@ -307,14 +360,16 @@ def valid_ms(table) -> bool:
 
 
 def valid_block_table(entry) -> bool:
-    """Every block size timed, and attention's cost per cached key."""
+    """Every block size timed (and no other key), attention's cost per cached key, and no run has
+    shown it stale."""
     return isinstance(entry, dict) and valid_ms(entry.get("blocks_ms")) and finite(entry.get("attention_ms_per_key")) \
-        and all(str(b) in entry["blocks_ms"] for b in BLOCKS)
+        and set(entry["blocks_ms"]) == {str(b) for b in BLOCKS} and "stale" not in entry
 
 
 def valid_choice(entry) -> bool:
-    """A whole decision: a known layout, the one-token times behind it, its block table."""
+    """A whole decision: a known layout, timed among the others (ms), its block table."""
     return isinstance(entry, dict) and entry.get("layout") in LAYOUTS and valid_ms(entry.get("ms")) \
+        and entry["layout"] in entry["ms"] and set(entry["ms"]) <= set(LAYOUTS) \
         and isinstance(entry.get("inexact"), list) and valid_block_table(entry)
 
 
@@ -341,18 +396,22 @@ def choose_layout(path: Path) -> dict:
         del probe, head
         release_memory()
     best = min(ms, key=ms.get)
-    entry = {"layout": best, "ms": ms, "inexact": inexact, **measure_blocks(path, best, n_layer),
-             "date": time.strftime("%Y-%m-%d")}
-    keep(key, entry, quiet and machine_is_quiet())
+    table, agreed = measure_blocks(path, best, n_layer)
+    entry = {"layout": best, "ms": ms, "inexact": inexact, **table, "date": time.strftime("%Y-%m-%d")}
+    # the block table's one-token step times the chosen layout's again: a second repeat
+    keep(key, entry, quiet and machine_is_quiet(), agreed and agree(ms[best], table["blocks_ms"]["1"]))
     return entry
 
 
-def measure_blocks(path: Path, layout: str, n_layer: int) -> dict:
-    """A layout's block table, from a probe: the estimated forward of each block size, and what a
-    cached key adds to one query's attention."""
+def measure_blocks(path: Path, layout: str, n_layer: int) -> tuple:
+    """(a layout's block table, whether its timings agreed): from probes, the estimated forward of
+    each block size and what a cached key adds to one query's attention; the one-token step is
+    timed again last, and a repeat that parts from the first (REPEAT_AGREEMENT) says the machine
+    was disturbed in between."""
     probe, head = build_probes(path, layout, LONG_CONTEXT + max(BLOCKS))
-    return {"blocks_ms": {str(b): estimated_ms(probe, head, n_layer, b) for b in BLOCKS},
-            "attention_ms_per_key": attention_ms_per_key(probe, n_layer)}
+    table = {"blocks_ms": {str(b): estimated_ms(probe, head, n_layer, b) for b in BLOCKS},
+             "attention_ms_per_key": attention_ms_per_key(probe, n_layer)}
+    return table, agree(table["blocks_ms"]["1"], estimated_ms(probe, head, n_layer, 1))
 
 
 def glibc():
@@ -390,8 +449,8 @@ def block_table(path: Path, layout: str) -> dict:
     if valid_block_table(known):
         return known
     quiet = machine_is_quiet()
-    table = measure_blocks(path, layout, int(read_config(path).get("num_hidden_layers") or 1))
-    keep(key, table, quiet and machine_is_quiet())
+    table, agreed = measure_blocks(path, layout, int(read_config(path).get("num_hidden_layers") or 1))
+    keep(key, table, quiet and machine_is_quiet(), agreed)
     return table
 
 
@@ -417,6 +476,7 @@ def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int):
     tokenizer, choice): choice is auto's decision (choose_layout), {} when the layout was asked for
     by name; layout_of(target) names the layout either way."""
     path = resolve_model(name_or_path)
+    check_checkpoint(path)  # (a checkpoint that cannot load is refused before any layout is timed)
     problem = layout_problem(path, layout)
     if problem:
         raise ValueError(problem)

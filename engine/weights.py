@@ -101,22 +101,23 @@ def safetensors_files(model_dir: Path) -> list:
     return [model_dir / name for name in files]
 
 
-def read_safetensors(model_dir: Path, wanted=None, dtype: torch.dtype | None = None) -> dict:
+def read_safetensors(model_dir: Path, wanted=None, dtype: torch.dtype | None = None, meta: bool = False) -> dict:
     """The tensors of a directory's safetensors files for which wanted(name) holds (all by default),
     floating-point ones converted to `dtype` one at a time. Read with plain file reads into tensors
     of their own, not mapped: a model then costs its bytes once, whatever its size, and never
-    twice (a mapped file's pages count beside the copies made from them)."""
+    twice (a mapped file's pages count beside the copies made from them). meta: read the headers
+    only, into tensors on the meta device (names, dtypes and shapes, nothing allocated)."""
     tensors = {}
     for path in safetensors_files(model_dir):
         try:
             with open(path, "rb") as f:
-                tensors.update(read_safetensors_file(f, path, wanted, dtype))
+                tensors.update(read_safetensors_file(f, path, wanted, dtype, meta))
         except PermissionError:
             raise CheckpointError(f"cannot read {path}: permission denied") from None
     return tensors
 
 
-def read_safetensors_file(f, path: Path, wanted, dtype) -> dict:
+def read_safetensors_file(f, path: Path, wanted, dtype, meta: bool = False) -> dict:
     """One safetensors file: an 8-byte header length, a JSON header of names, dtypes, shapes and
     byte ranges, then the bytes."""
     size = os.fstat(f.fileno()).st_size
@@ -134,10 +135,13 @@ def read_safetensors_file(f, path: Path, wanted, dtype) -> dict:
     for name, st_dtype, shape, (begin, end) in entries:
         if wanted is not None and not wanted(name):
             continue
-        t = torch.empty(shape, dtype=st_dtype)
+        t = torch.empty(shape, dtype=st_dtype, device="meta" if meta else "cpu")
         nbytes = t.numel() * t.element_size()
         if end - begin != nbytes or 8 + header_len + end > size or begin < 0:
             raise corrupt(f"tensor {name} lies outside the file (truncated?)")
+        if meta:
+            out[name] = t
+            continue
         f.seek(8 + header_len + begin)
         if nbytes and f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) != nbytes:
             raise corrupt(f"tensor {name} is cut off")
@@ -204,6 +208,29 @@ def load_model(model_dir, dtype=torch.float32, device="cpu", n_layer: int | None
     sd = hf_to_ours(read_safetensors(model_dir, wanted, dtype), args)
     with torch.device("meta"):
         model = M.Transformer(args, source=model_dir.resolve())
+    expected = check_state_dict(sd, model, model_dir)
+    bad = next((k for k in expected if sd[k].is_floating_point() and not torch.isfinite(sd[k]).all()), None)
+    if bad:
+        raise CheckpointError(f"tensor {bad} in {model_dir} holds non-finite values: refusing to run it")
+    sd = {k: sd.pop(k).to(device=device) for k in expected}
+    model.load_state_dict(sd, strict=False, assign=True)
+    model.tie_weights()
+    return model.eval().requires_grad_(False)  # targets are only ever run; drafts train beside them
+
+
+def check_checkpoint(model_dir: Path):
+    """load_model's checks of names and shapes, from the safetensors headers alone: a checkpoint
+    that cannot load is refused in one line before anything is allocated or timed."""
+    model_dir = Path(model_dir)
+    args = M.ModelArgs.from_hf_config(read_config(model_dir))
+    with torch.device("meta"):
+        check_state_dict(hf_to_ours(read_safetensors(model_dir, meta=True), args), M.Transformer(args), model_dir)
+
+
+def check_state_dict(sd: dict, model: M.Transformer, model_dir: Path) -> dict:
+    """{name: shape} the model expects, once sd (our names) holds each of them in its shape and
+    nothing else; otherwise a one-line CheckpointError naming the first tensor at fault."""
+    args = model.args
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -219,13 +246,7 @@ def load_model(model_dir, dtype=torch.float32, device="cpu", n_layer: int | None
         if sd[k].shape != shape:
             raise CheckpointError(f"tensor {k} in {model_dir} has shape {tuple(sd[k].shape)}, "
                                   f"config.json implies {tuple(shape)}")
-    bad = next((k for k in expected if sd[k].is_floating_point() and not torch.isfinite(sd[k]).all()), None)
-    if bad:
-        raise CheckpointError(f"tensor {bad} in {model_dir} holds non-finite values: refusing to run it")
-    sd = {k: sd.pop(k).to(device=device) for k in expected}
-    model.load_state_dict(sd, strict=False, assign=True)
-    model.tie_weights()
-    return model.eval().requires_grad_(False)  # targets are only ever run; drafts train beside them
+    return expected
 
 
 # -----------------------------------------------------------------------------

@@ -26,17 +26,17 @@ def six_layers(tmp_path):
 
 def fake_timing(monkeypatch, ms_per_layer: dict, timed: list):
     """step_seconds that says a forward costs (layers + 1) * ms_per_layer[(layout, block)] (or
-    [layout]) and notes what it timed. (A probe's layout is remembered as it is built: while its
-    head alone is timed, it has no layers to read it off.)"""
+    [layout]) and notes what it timed. (A probe's layout is remembered as it is built, by its head:
+    the head-alone probe shares it, and has no layers to read the layout off.)"""
     layout_of, real_build = {}, LY.build_target
 
     def build_target(path, layout, *args, **kwargs):
         model = real_build(path, layout, *args, **kwargs)
-        layout_of[id(model)] = layout
+        layout_of[id(model.lm_head)] = layout
         return model
 
     def step_seconds(target, block, seconds=0.3, cold=False, context=64):
-        layout = layout_of[id(target)]
+        layout = layout_of[id(target.lm_head)]
         timed.append((layout, block, len(target.layers)))
         per = ms_per_layer.get((layout, block), ms_per_layer.get(layout, 5.0))
         return (len(target.layers) + 1) * per * block ** 0.5 / 1e3
@@ -70,7 +70,7 @@ def test_auto_chooses_one_layout_on_probes_and_keeps_it(six_layers, tmp_path, mo
     assert LY.layout_of(target) == "float32" and choice["layout"] == "float32"
     candidates = LY.layout_candidates(six_layers)
     # a probe per candidate, the chosen one's again for its block table, then the one model that runs
-    assert built == [LY.PROBE_LAYERS, 0] * (len(candidates) + 1) + [6]
+    assert built == [LY.PROBE_LAYERS] * (len(candidates) + 1) + [6]
     assert {layout for layout, block, _ in timed if block == 1} == set(candidates)
     assert "int4" not in candidates  # its weights are not 4-bit at their source
     assert {n for _, _, n in timed} == {0, LY.PROBE_LAYERS}  # head alone, and head + probe layers
@@ -116,7 +116,8 @@ def test_where_the_fastest_layout_drafts_inexactly_the_default_decodes_plainly(s
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == default["tokens"]
 
 
-@pytest.mark.parametrize("damage", ["not json", "no ms", "a directory", "unwritable", "busy"])
+@pytest.mark.parametrize("damage", ["not json", "no ms", "layout not timed", "block 1.5", "a directory", "unwritable",
+                                    "busy"])
 def test_the_layout_cache_holds_only_whole_quiet_decisions(six_layers, tmp_path, monkeypatch, capsys, damage):
     """A damaged cache is measured again (named where it cannot be read or kept, and the run goes
     on); a decision timed beside a busy core is used but not kept."""
@@ -133,6 +134,10 @@ def test_the_layout_cache_holds_only_whole_quiet_decisions(six_layers, tmp_path,
         cache.write_text("{not json")
     elif damage == "no ms":
         cache.write_text(json.dumps({key: {k: v for k, v in entry.items() if k != "ms"}}))
+    elif damage == "layout not timed":  # its chosen layout absent from its own timings
+        cache.write_text(json.dumps({key: {**entry, "ms": {"bfloat16": 1.0}}}))
+    elif damage == "block 1.5":
+        cache.write_text(json.dumps({key: {**entry, "blocks_ms": {**entry["blocks_ms"], "1.5": 1.0}}}))
     elif damage == "a directory":
         cache.unlink()
         cache.mkdir()
@@ -151,8 +156,69 @@ def test_the_layout_cache_holds_only_whole_quiet_decisions(six_layers, tmp_path,
         assert "could not be kept" in err and "\n" not in err.strip().splitlines()[-1]
     if damage == "busy":
         assert not cache.exists() and "used for this run only" in err
-    if damage == "no ms":
-        assert "ms" in json.loads(cache.read_text())[key]
+    if damage in ("no ms", "layout not timed", "block 1.5"):  # measured again, kept whole
+        assert LY.valid_choice(json.loads(cache.read_text())[key])
+
+
+def test_timings_that_disagree_between_repeats_are_not_kept(six_layers, tmp_path, monkeypatch, capsys):
+    """The chosen layout's one-token step is timed more than once (its estimate, its block table's
+    first entry, a repeat at the end): where the repeats part, the machine was disturbed between
+    them, and the decision is used for this run only."""
+    cache = tmp_path / "layouts.json"
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)  # (bursts between the quiet checks)
+    timed = []
+    fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
+    real = LY.step_seconds
+
+    def disturbed(target, block, *args, **kwargs):  # the later one-token timings of float32 run 3x slower
+        slow = block == 1 and sum(1 for layout, b, _ in timed if b == 1 and layout == "float32") > 2
+        return real(target, block, *args, **kwargs) * (3.0 if slow else 1.0)
+    monkeypatch.setattr(LY, "step_seconds", disturbed)
+    capsys.readouterr()
+    assert LY.choose_layout(six_layers)["layout"] == "float32"
+    assert not cache.exists() and "timed twice disagreed" in capsys.readouterr().err
+
+
+def test_a_kept_timing_that_a_run_outpaces_is_timed_again(six_layers, tmp_path, monkeypatch):
+    """A kept decision timed on a busy machine makes every later run weigh blocks wrongly: a run
+    whose forwards are much faster than the kept step (RUN_MARGIN) marks it stale, and the next
+    start times the layouts again; --retime (forget_timings) drops them on demand. A run about as
+    fast as the kept timing leaves it alone."""
+    cache = tmp_path / "layouts.json"
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
+    timed = []
+    fake_timing(monkeypatch, {"float32": 20.0}, timed)
+    kept = LY.choose_layout(six_layers)
+    step = kept["blocks_ms"]["1"]
+    assert not LY.recheck_kept_timing(six_layers, "float32", True, step / 1.2, 64)  # within the margin
+    assert LY.valid_choice(json.loads(cache.read_text()).popitem()[1])
+    assert LY.recheck_kept_timing(six_layers, "float32", True, step / 3, 64)
+    assert not LY.valid_choice(json.loads(cache.read_text()).popitem()[1])  # stale
+    timed.clear()
+    LY.choose_layout(six_layers)
+    assert timed and LY.valid_choice(json.loads(cache.read_text()).popitem()[1])  # timed again, kept
+    timed.clear()
+    LY.choose_layout(six_layers)
+    assert not timed
+    assert LY.forget_timings(six_layers) == 1 and LY.forget_timings(six_layers) == 0
+    LY.choose_layout(six_layers)
+    assert timed
+
+
+def test_a_cache_that_is_a_link_is_written_through_it(six_layers, tmp_path, monkeypatch):
+    """A layouts cache linked to a shared file stays a link; the shared file takes the decision."""
+    shared = tmp_path / "shared" / "layouts.json"
+    shared.parent.mkdir()
+    shared.write_text("{}")
+    link = tmp_path / "layouts.json"
+    link.symlink_to(shared)
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", link)
+    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
+    fake_timing(monkeypatch, {"float32": 1.0}, [])
+    LY.choose_layout(six_layers)
+    assert link.is_symlink() and LY.valid_choice(json.loads(shared.read_text()).popitem()[1])
 
 
 def test_the_probe_estimates_a_whole_forward(six_layers, monkeypatch):
@@ -161,7 +227,7 @@ def test_the_probe_estimates_a_whole_forward(six_layers, monkeypatch):
     the estimate is worth against a real forward is a measurement: bench.py's, not a test's.)"""
     probe, head = LY.build_probes(six_layers, "float32", 128)
     assert len(probe.layers) == LY.PROBE_LAYERS and len(head.layers) == 0
-    assert LY.layout_of(probe) == "float32" and torch.equal(head.lm_head.weight, probe.lm_head.weight)
+    assert LY.layout_of(probe) == "float32" and head.lm_head is probe.lm_head  # shared, not copied
     timed = []
 
     def step_seconds(target, block, seconds=0.3, cold=False, context=64):
