@@ -84,11 +84,12 @@ def layout_of(model: M.Transformer) -> str:
     return f"{dtype}-packed" if isinstance(linear, LF.PackedLinear) else dtype
 
 
-def build_target(path: Path, layout: str, device: str, max_seq_len: int, n_layer: int | None = None):
-    """The model at `path` in `layout` (its first n_layer layers only, for a probe), caches
-    allocated, ready for inference."""
+def build_target(path: Path, layout: str, device: str, max_seq_len: int, n_layer: int | None = None,
+                 vocab: int | None = None):
+    """The model at `path` in `layout` (for a probe: its first n_layer layers only, its first
+    `vocab` tokens only), caches allocated, ready for inference."""
     return_freed_weights()
-    target = apply_layout(load_model(path, layout_dtype(layout), device, n_layer), layout, device)
+    target = apply_layout(load_model(path, layout_dtype(layout), device, n_layer, vocab), layout, device)
     target.setup_caches(1, min(max_seq_len, target.args.max_position_embeddings))  # in the final dtype
     return target
 
@@ -153,17 +154,34 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=64 << 20)
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the tensors a model holds, its CPU forms' packed weights included (a tied weight
+    once)."""
+    seen, total = set(), 0
+    for module in model.modules():
+        tensors = [*module._parameters.values(), *module._buffers.values(),
+                   *(v for v in vars(module).values() if torch.is_tensor(v))]
+        for t in tensors:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
 def step_seconds(target: M.Transformer, block: int, seconds: float = 0.3, cold: bool = False,
                  context: int = 64) -> float:
     """Median wall time of a forward of `block` new tokens after a `context`-token one (rewritten in
     place each time, as a rejected speculative block is), over about `seconds` of steps. cold:
     read a buffer four times the CPU's largest cache before each forward, so a small model's
     weights come from memory as a whole model's do (a probe's few layers would otherwise stay in
-    cache between steps, and the layouts that read the most bytes would look cheap)."""
+    cache between steps, and the layouts that read the most bytes would look cheap). A model twice
+    the cache's size or more cannot stay in it: it is timed without the buffer, which would only
+    add to the process's peak memory."""
     context = min(context, target.max_seq_len - block)
     tokens = torch.randint(0, target.args.vocab_size, (1, context + block))
     positions = torch.arange(context + block)
-    flush = torch.ones(min(4 * last_level_cache_bytes(), 1 << 30) // 4) if cold else None
+    cache_bytes = last_level_cache_bytes()
+    flush = torch.ones(min(4 * cache_bytes, 1 << 30) // 4) if cold and held_bytes(target) < 2 * cache_bytes else None
     with torch.no_grad():
         target(tokens[:, :context], positions[:context])
         for _ in range(2):  # first calls allocate and pick kernels
@@ -189,21 +207,29 @@ def attention_ms_per_key(probe: M.Transformer, n_layer: int) -> float:
     return max(long - short, 0.0) * 1e3 / (LONG_CONTEXT - 64) * n_layer / len(probe.layers)
 
 
-def build_probes(path: Path, layout: str, context: int) -> tuple:
-    """(probe, head): the model's first PROBE_LAYERS layers with its real embedding and head, and
-    the same with no layers (embedding, norm, head, shared with the probe: no second copy), in
-    `layout`."""
-    probe = build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS)
-    return probe, probe.without_layers()
+PROBE_VOCAB = 256  # the layer probe's vocabulary: its embedding and head cost next to nothing
 
 
-def estimated_ms(probe: M.Transformer, head: M.Transformer, n_layer: int, block: int) -> float:
-    """Milliseconds of a whole model's forward of `block` tokens, from its probes (build_probes):
-    the head alone, plus n_layer times what one of the probe's layers adds to it."""
-    head_seconds = step_seconds(head, block, cold=True)
-    with_layers = step_seconds(probe, block, cold=True)
-    per_layer = max(with_layers - head_seconds, 0.0) / len(probe.layers)
-    return round(1e3 * (head_seconds + n_layer * per_layer), 3)
+def estimated_ms(path: Path, layout: str, context: int, n_layer: int, blocks) -> tuple:
+    """({block: milliseconds of a whole model's forward of `block` tokens}, the layer probe, {block:
+    milliseconds of the layer probe's own forward}): the
+    head alone (embedding, norm, head, no layers), timed on a model of just those, plus n_layer
+    times what one layer adds, timed on a probe of PROBE_LAYERS layers whose vocabulary is cut to
+    PROBE_VOCAB rows (its tiny head timed apart and taken off). One model alive at a time, so the
+    vocabulary matrices (two copies where a packed head is tied to the embedding) are never held
+    beside the layers."""
+    head = build_target(path, layout, "cpu", context, n_layer=0)
+    head_ms = {b: 1e3 * step_seconds(head, b, cold=True) for b in blocks}
+    del head
+    release_memory()
+    probe = build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS, vocab=PROBE_VOCAB)
+    small_head = probe.without_layers()
+    ms, probe_ms = {}, {}
+    for b in blocks:
+        probe_ms[b] = 1e3 * step_seconds(probe, b, cold=True)
+        layers_ms = probe_ms[b] - 1e3 * step_seconds(small_head, b, cold=True)
+        ms[b] = round(head_ms[b] + n_layer * max(layers_ms, 0.0) / len(probe.layers), 3)
+    return ms, probe, probe_ms
 
 
 # A layout that rounds activations coarsely (bf16, int4) keeps greedy speculation exact only if a
@@ -389,11 +415,11 @@ def choose_layout(path: Path) -> dict:
     ms, inexact = {}, []
     context = LONG_CONTEXT + max(BLOCKS)  # (a probe's cache is small whatever the run's context)
     for layout in tqdm(layout_candidates(path), desc="timing weight layouts (once per CPU)", file=sys.stderr):
-        probe, head = build_probes(path, layout, context)
-        ms[layout] = estimated_ms(probe, head, n_layer, 1)
+        one, probe, _ = estimated_ms(path, layout, context, n_layer, (1,))
+        ms[layout] = one[1]
         if inexact_blocks(probe, layout):
             inexact.append(layout)
-        del probe, head
+        del probe
         release_memory()
     best = min(ms, key=ms.get)
     table, agreed = measure_blocks(path, best, n_layer)
@@ -408,10 +434,12 @@ def measure_blocks(path: Path, layout: str, n_layer: int) -> tuple:
     each block size and what a cached key adds to one query's attention; the one-token step is
     timed again last, and a repeat that parts from the first (REPEAT_AGREEMENT) says the machine
     was disturbed in between."""
-    probe, head = build_probes(path, layout, LONG_CONTEXT + max(BLOCKS))
-    table = {"blocks_ms": {str(b): estimated_ms(probe, head, n_layer, b) for b in BLOCKS},
-             "attention_ms_per_key": attention_ms_per_key(probe, n_layer)}
-    return table, agree(table["blocks_ms"]["1"], estimated_ms(probe, head, n_layer, 1))
+    ms, probe, probe_ms = estimated_ms(path, layout, LONG_CONTEXT + max(BLOCKS), n_layer, BLOCKS)
+    table = {"blocks_ms": {str(b): ms[b] for b in BLOCKS}, "attention_ms_per_key": attention_ms_per_key(probe, n_layer)}
+    agreed = agree(probe_ms[1], 1e3 * step_seconds(probe, 1, cold=True))  # the first timing, repeated last
+    del probe
+    release_memory()
+    return table, agreed
 
 
 def glibc():

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import model as M
-from engine.files import directory_written_atomically, read_json_object, remove_stale_temporaries
+from engine.files import directory_written_atomically, first_non_finite, read_json_object, remove_stale_temporaries
 from model import CheckpointError
 
 # -----------------------------------------------------------------------------
@@ -193,10 +193,12 @@ def hf_to_ours(hf: dict, args: M.ModelArgs) -> dict:
     return fuse_hf(sd)
 
 
-def load_model(model_dir, dtype=torch.float32, device="cpu", n_layer: int | None = None) -> M.Transformer:
+def load_model(model_dir, dtype=torch.float32, device="cpu", n_layer: int | None = None,
+               vocab: int | None = None) -> M.Transformer:
     """The model of a Hugging Face directory, each tensor read straight into `dtype` (no copy of
     the whole model in another precision on the way). n_layer keeps only the first n_layer
-    layers: a small model with the real one's shapes, which layouts.py times."""
+    layers, vocab only the first `vocab` rows of the embedding and head: a small model with the
+    real one's layer shapes, which engine/layouts.py times."""
     model_dir = Path(model_dir)
     args = M.ModelArgs.from_hf_config(read_config(model_dir))
     wanted = None
@@ -206,10 +208,15 @@ def load_model(model_dir, dtype=torch.float32, device="cpu", n_layer: int | None
         layer_of = lambda key: re.search(r"layers\.(\d+)\.", key)  # noqa: E731
         wanted = lambda key: layer_of(key) is None or int(layer_of(key).group(1)) < n_layer  # noqa: E731
     sd = hf_to_ours(read_safetensors(model_dir, wanted, dtype), args)
+    if vocab is not None and vocab < args.vocab_size:
+        args = dataclasses.replace(args, vocab_size=vocab)
+        for key in ("embed_tokens.weight", "lm_head.weight"):
+            if key in sd:  # (one at a time: the full matrix is freed as its rows are kept)
+                sd[key] = sd.pop(key)[:vocab].clone()
     with torch.device("meta"):
         model = M.Transformer(args, source=model_dir.resolve())
     expected = check_state_dict(sd, model, model_dir)
-    bad = next((k for k in expected if sd[k].is_floating_point() and not torch.isfinite(sd[k]).all()), None)
+    bad = first_non_finite({k: sd[k] for k in expected})
     if bad:
         raise CheckpointError(f"tensor {bad} in {model_dir} holds non-finite values: refusing to run it")
     sd = {k: sd.pop(k).to(device=device) for k in expected}

@@ -48,8 +48,8 @@ def counting_builds(monkeypatch) -> list:
     """The n_layer of every model load_model builds from here on."""
     built, real = [], LY.load_model
 
-    def load_model(path, dtype, device, n_layer=None):
-        model = real(path, dtype, device, n_layer)
+    def load_model(path, dtype, device, n_layer=None, vocab=None):
+        model = real(path, dtype, device, n_layer, vocab)
         built.append(model.args.n_layer)
         return model
     monkeypatch.setattr(LY, "load_model", load_model)
@@ -70,7 +70,7 @@ def test_auto_chooses_one_layout_on_probes_and_keeps_it(six_layers, tmp_path, mo
     assert LY.layout_of(target) == "float32" and choice["layout"] == "float32"
     candidates = LY.layout_candidates(six_layers)
     # a probe per candidate, the chosen one's again for its block table, then the one model that runs
-    assert built == [LY.PROBE_LAYERS] * (len(candidates) + 1) + [6]
+    assert built == [0, LY.PROBE_LAYERS] * (len(candidates) + 1) + [6]  # (the head alone, then the layers)
     assert {layout for layout, block, _ in timed if block == 1} == set(candidates)
     assert "int4" not in candidates  # its weights are not 4-bit at their source
     assert {n for _, _, n in timed} == {0, LY.PROBE_LAYERS}  # head alone, and head + probe layers
@@ -223,19 +223,22 @@ def test_a_cache_that_is_a_link_is_written_through_it(six_layers, tmp_path, monk
 
 def test_the_probe_estimates_a_whole_forward(six_layers, monkeypatch):
     """A whole forward is estimated as the head alone + n_layer * what one probe layer adds: the
-    probes are the model's first layers and its head with no layers, in the asked layout. (What
-    the estimate is worth against a real forward is a measurement: bench.py's, not a test's.)"""
-    probe, head = LY.build_probes(six_layers, "float32", 128)
-    assert len(probe.layers) == LY.PROBE_LAYERS and len(head.layers) == 0
-    assert LY.layout_of(probe) == "float32" and head.lm_head is probe.lm_head  # shared, not copied
+    head is timed on a model of just the embedding, norm and head; a layer on the first
+    PROBE_LAYERS layers with a cut vocabulary, its tiny head timed apart and taken off. (What the
+    estimate is worth against a real forward is a measurement: bench.py's, not a test's.)"""
     timed = []
 
     def step_seconds(target, block, seconds=0.3, cold=False, context=64):
-        timed.append((len(target.layers), block, cold))
-        return (2.0 + 3.0 * len(target.layers)) * block / 1e3  # head 2 ms, 3 ms a layer, per token
+        timed.append((len(target.layers), target.args.vocab_size, block, cold))
+        head = 2.0 if target.args.vocab_size > LY.PROBE_VOCAB else 0.1  # ms: the vocabulary's share
+        return (head + 3.0 * len(target.layers)) * block / 1e3  # and 3 ms a layer, per token
     monkeypatch.setattr(LY, "step_seconds", step_seconds)
-    assert LY.estimated_ms(probe, head, 30, 2) == pytest.approx(2 * (2.0 + 30 * 3.0))
-    assert timed == [(0, 2, True), (LY.PROBE_LAYERS, 2, True)]
+    ms, probe, probe_ms = LY.estimated_ms(six_layers, "float32", 128, 30, (1, 2))
+    assert ms == {1: pytest.approx(2.0 + 30 * 3.0), 2: pytest.approx(2 * (2.0 + 30 * 3.0))}
+    assert len(probe.layers) == LY.PROBE_LAYERS and probe.args.vocab_size == LY.PROBE_VOCAB
+    assert LY.layout_of(probe) == "float32" and probe_ms[1] == pytest.approx(0.1 + 3.0 * LY.PROBE_LAYERS)
+    assert [t[:2] for t in timed] == [(0, 49152)] * 2 + [(LY.PROBE_LAYERS, LY.PROBE_VOCAB), (0, LY.PROBE_VOCAB)] * 2
+    assert all(cold for *_, cold in timed)
 
 
 def test_block_costs_interpolate_and_never_fall():
