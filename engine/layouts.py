@@ -220,8 +220,8 @@ def estimated_ms(path: Path, layout: str, context: int, n_layer: int, blocks) ->
     beside the layers."""
     head = build_target(path, layout, "cpu", context, n_layer=0)
     head_ms = {b: 1e3 * step_seconds(head, b, cold=True) for b in blocks}
-    del head
-    release_memory()
+    del head  # (freed as its last reference goes: a model holds no reference cycle)
+    release_memory(collect=False)
     probe = build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS, vocab=PROBE_VOCAB)
     small_head = probe.without_layers()
     ms, probe_ms = {}, {}
@@ -461,10 +461,13 @@ def return_freed_weights():
         glibc().mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 1 MiB
 
 
-def release_memory():
-    """Hand the memory of dropped probes back to the system before the whole model is built."""
+def release_memory(collect: bool = True):
+    """Hand the memory of dropped probes back to the system before the next model is built;
+    collect: run the garbage collector first (slow in a process of many objects), for what a
+    reference cycle may still hold."""
     import gc
-    gc.collect()
+    if collect:
+        gc.collect()
     if glibc():
         glibc().malloc_trim(0)
 
