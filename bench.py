@@ -260,9 +260,14 @@ def check_and_complete(ap, args):
     problem = machine_problem(args.device, args.threads, args.dtype, wants_compile(args.compile, args.device))
     if problem:
         ap.error(problem)
+    for name, value in (("limit", 1), ("max_new_tokens", 16), ("warmup", 0)) if args.quick else ():
+        if getattr(args, name) == ap.get_default(name):  # --quick fills in what the user left out
+            setattr(args, name, value)
     if args.quick:
-        args.limit, args.max_new_tokens, args.warmup = 1, 16, 0
         args.categories = args.categories or "writing,translation"
+    if args.weights_quality < 0 or args.warmup < 0:
+        ap.error(f"--weights-quality takes a number of texts >= 1 (0, the default: none) and --warmup a number "
+                 f"of prompts >= 0, got {args.weights_quality} and {args.warmup}")
     if min(args.num_draft_tokens, args.max_new_tokens, args.limit) < 1:
         ap.error("-k, --max-new-tokens and --limit must be >= 1")
     try:

@@ -123,6 +123,10 @@ def check_and_complete(ap, args):
             ap.error(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     if args.num_draft_tokens < 1:
         ap.error(f"-k must be >= 1, got {args.num_draft_tokens}")
+    if args.max_seq_len < 2:
+        ap.error(f"--max-seq-len must be >= 2, got {args.max_seq_len}")
+    if not 0 <= args.seed < 2 ** 63:  # (torch's generators take a 64-bit seed)
+        ap.error(f"--seed must lie in [0, 2^63), got {args.seed}")
     problem = machine_problem(args.device, args.threads, args.dtype, wants_compile(args.compile, args.device))
     if problem:
         ap.error(problem)
@@ -217,8 +221,11 @@ def encode_prompts(args, tokenizer, context: int, verifier: Verifier) -> list:
     encoded = [tokenizer.encode(text) if args.raw else tokenizer.encode_chat(system + [{"role": "user", "content": text}])
                for text in prompts]
     drafted = max(args.num_draft_tokens, args.tree) if args.verifier != "none" else 0
+    remedy = "lower --max-new-tokens, -k or --tree, or raise --max-seq-len"
+    if context < args.max_seq_len:  # the model's own limit binds, not --max-seq-len
+        remedy = "the model's max_position_embeddings: a shorter prompt, or lower --max-new-tokens, -k or --tree"
     for ids in encoded:
-        check_request(context, len(ids), args.max_new_tokens, drafted, verifier, args.temperature)
+        check_request(context, len(ids), args.max_new_tokens, drafted, verifier, args.temperature, remedy)
     return encoded
 
 

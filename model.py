@@ -56,9 +56,9 @@ class ModelArgs:
             raise CheckpointError(f"unsupported architecture {model_type!r} ({archs}); "
                                   f"supported: {', '.join(SUPPORTED.values())}")
         # transformers >= 5 nests rope settings in `rope_parameters`; older configs keep them flat
-        rope = dict(cfg.get("rope_parameters") or {})
+        rope = dict(config_mapping(cfg, "rope_parameters"))
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
+        scaling = rope if rope.get("rope_type", "default") != "default" else config_mapping(cfg, "rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
             raise CheckpointError(f"unsupported rope scaling {scaling!r}")
         n_head = config_int(cfg, "num_attention_heads")
@@ -73,7 +73,7 @@ class ModelArgs:
             n_kv_head=config_int(cfg, "num_key_value_heads", n_head),
             head_dim=config_int(cfg, "head_dim", dim // n_head),
             intermediate_size=config_int(cfg, "intermediate_size"),
-            norm_eps=config_number(cfg, "rms_norm_eps", 1e-6),
+            norm_eps=config_number(cfg, "rms_norm_eps", 1e-6, below=1.0),  # (an eps past 1 drowns the norm)
             rope_theta=config_number({"rope_theta": theta}, "rope_theta"),
             rope_scaling=scaling if is_llama3_scaling else None,
             max_position_embeddings=config_int(cfg, "max_position_embeddings", 8192),
@@ -95,11 +95,24 @@ def config_int(cfg: dict, key: str, default=None) -> int:
     return value
 
 
-def config_number(cfg: dict, key: str, default=None) -> float:
+def config_number(cfg: dict, key: str, default=None, below: float = math.inf) -> float:
+    """A finite positive number field of config.json, under `below`; else a one-line error."""
     value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise CheckpointError(f"config.json field {key!r} must be a positive number, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < below or \
+            not math.isfinite(value):
+        bound = "" if below == math.inf else f" below {below:g}"
+        raise CheckpointError(f"config.json field {key!r} must be a finite positive number{bound}, not {value!r}")
     return float(value)
+
+
+def config_mapping(cfg: dict, key: str) -> dict:
+    """An optional object field of config.json ({} when absent or null); another type is an error."""
+    value = cfg.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"config.json field {key!r} must be an object, not {value!r}")
+    return value
 
 
 # -----------------------------------------------------------------------------

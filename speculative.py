@@ -161,9 +161,10 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
 
 
 def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifier: Verifier,
-                  temperature: float):
+                  temperature: float, remedy: str = "lower --max-new-tokens, -k or --tree, or raise --max-seq-len"):
     """A one-line error for what generate cannot do: an empty prompt, more positions than the
-    cache holds, greedy verification at T > 0 (it would emit the argmax whatever T says)."""
+    cache holds (remedy: what the caller's user can change), greedy verification at T > 0 (it
+    would emit the argmax whatever T says)."""
     if verifier.name == "greedy" and temperature > 0:
         raise ValueError(f"the greedy verifier keeps the target's argmax, which is temperature 0; at "
                          f"temperature {temperature:g} use lossless (or a lossy verifier)")
@@ -171,8 +172,7 @@ def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifie
         raise ValueError("empty prompt")
     if L + max_new_tokens + k > max_seq_len:
         raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + up to {k} drafted a step needs "
-                         f"{L + max_new_tokens + k} positions; the context holds {max_seq_len} "
-                         f"(lower --max-new-tokens, -k or --tree, or raise --max-seq-len)")
+                         f"{L + max_new_tokens + k} positions; the context holds {max_seq_len} ({remedy})")
 
 
 def synchronize(device: torch.device):

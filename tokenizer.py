@@ -98,12 +98,22 @@ def tiktoken_encoding(name, pattern, ranks: dict, specials: dict):
     return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
 
 
+def read_json(path: Path):
+    """A JSON file of a checkpoint; one that is cut short or not JSON is a one-line error naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e.__class__.__name__}: cut short or damaged?)") from None
+
+
 def tokenizer_from_hf_json(path: Path) -> Tokenizer:
     """HF tokenizer.json byte-level BPE -> tiktoken. tiktoken merges the adjacent pair whose
     concatenation has the lowest rank; using token ids as ranks reproduces the BPE merge order
     because byte-level BPE trainers number each merged token after the merge that made it."""
-    tj = json.loads(path.read_text())
-    model = tj["model"]
+    tj = read_json(path)
+    model = tj.get("model") if isinstance(tj, dict) else None
+    if not isinstance(model, dict) or not isinstance(model.get("vocab"), dict):
+        raise CheckpointError(f"{path} holds no tokenizer model with a vocabulary: is it a tokenizer.json?")
     if model.get("type") != "BPE":
         raise CheckpointError(f"{path}: only byte-level BPE tokenizers are supported, "
                               f"not {model.get('type')}")
@@ -161,7 +171,8 @@ def tokenizer_from_tiktoken_file(path: Path, family: str) -> Tokenizer:
 
 def load_tokenizer(model_dir) -> Tokenizer:
     model_dir = Path(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
+    cfg = read_json(model_dir / "config.json") if (model_dir / "config.json").is_file() else {}
+    cfg = cfg if isinstance(cfg, dict) else {}
     if (model_dir / "tokenizer.json").is_file():
         tok = tokenizer_from_hf_json(model_dir / "tokenizer.json")
     elif (model_dir / "original" / "tokenizer.model").is_file():
@@ -177,7 +188,8 @@ def load_tokenizer(model_dir) -> Tokenizer:
         tok.thinking_off = cfg.get("model_type") == "qwen3" and "<think>" in tok.specials
     template_file = model_dir / "tokenizer_config.json"
     if template_file.is_file():
-        template = json.loads(template_file.read_text()).get("chat_template") or ""
+        template = read_json(template_file)
+        template = (template.get("chat_template") if isinstance(template, dict) else None) or ""
         # a literal default system prompt in the template (SmolLM2 has one)
         m = re.search(r"<\|im_start\|>system\n([^<{}'\"]+)<\|im_end\|>",
                       template if isinstance(template, str) else "")

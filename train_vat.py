@@ -232,8 +232,9 @@ def check_settings(ap, args):
                  "save_every", "response_tokens", "max_prompt_tokens", "eval_k", "blocks_per_seq"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.corpus_batches is not None and args.corpus_batches < 1:
-        ap.error(f"--corpus-batches must be >= 1, got {args.corpus_batches}")
+    for name in ("corpus_batches", "draft_layers"):  # (None: the default)
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("warmup", "eval_every", "eval_prompts", "num_prompts", "self_prompts", "keep_every"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -295,7 +296,7 @@ def build_draft_net(args, target, data):
         return net
     # DFlash's released drafts use 5 layers for 4B-8B targets; on a small target (dim < 2048) 5
     # layers would cost nearly what the target does, so 2
-    n_layer = args.draft_layers or (5 if t.dim >= 2048 else 2)
+    n_layer = args.draft_layers if args.draft_layers is not None else (5 if t.dim >= 2048 else 2)
     dargs = M.ModelArgs(model_type="qwen3", vocab_size=t.vocab_size, dim=t.dim, n_layer=n_layer,
                         n_head=t.n_head,
                         n_kv_head=t.n_kv_head, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
@@ -311,11 +312,29 @@ def build_draft_net(args, target, data):
     return net
 
 
+def refuse_other_settings(args, net, trained: dict):
+    """A resumed run trains the checkpoint's draft with the checkpoint's objective: a --draft,
+    --objective or --vat-parts that differ would train one thing under another's name."""
+    kind = "dflash" if isinstance(net, DFlash) else "eagle3"
+    if args.draft != kind:
+        raise ValueError(f"--resume: {args.out} trains a {kind} draft, not {args.draft}: pass --draft {kind}, or "
+                         f"choose another --out")
+    asked = {"objective": args.objective, "vat_parts": sorted(args.vat_parts)}
+    have = {"objective": trained.get("objective"), "vat_parts": sorted(trained.get("vat_parts") or [])}
+    if asked != have:
+        flags = f"--objective {have['objective']}" + (f" --vat-parts {','.join(have['vat_parts'])}"
+                                                      if have["objective"] == "vat" else "")
+        raise ValueError(f"--resume: {args.out} trains with {flags}, not --objective {args.objective}"
+                         + (f" --vat-parts {','.join(asked['vat_parts'])}" if args.objective == "vat" else "")
+                         + f": pass {flags}, or choose another --out")
+
+
 def draft_to_train(args, target, data, device):
     """(draft, optimizer, step, log): the newest checkpoint's with --resume, else new."""
     resumed = latest_checkpoint(args.out, target) if args.resume else None
     if resumed:
         net, state, log = resumed
+        refuse_other_settings(args, net, read_config(args.out / f"step-{state['step']:06d}").get("vat", {}))
         print(f"resuming from step {state['step']}", file=sys.stderr)
     else:
         if args.resume:
@@ -514,3 +533,5 @@ if __name__ == "__main__":
         main()
     except (M.CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # checkpoints are written whole: the last one stands
+        sys.exit("interrupted: --resume continues from the last checkpoint written")

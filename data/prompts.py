@@ -36,11 +36,23 @@ def prompt_text(record: dict) -> str:
     raise ValueError(f"cannot find a prompt in a record with keys {sorted(record)}")
 
 
+def prompt_file_problem(path: Path) -> str | None:
+    """What keeps `path` from being read as a prompt file, said of what it is, or None."""
+    if path.is_dir():
+        return f"prompt file {path} is a directory: name a text or jsonl file in it"
+    if not path.exists():
+        return f"prompt file not found: {path}"
+    if not path.is_file():
+        return f"prompt file {path} is not a regular file (a device or a pipe): name a text or jsonl file"
+    return None
+
+
 def read_prompts(path) -> list:
     """The prompts of a text file (the whole file is one) or a jsonl (one per record)."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"prompt file not found: {path}")
+    problem = prompt_file_problem(path)
+    if problem:
+        raise ValueError(problem)
     if path.suffix != ".jsonl":
         prompts = [read_text(path)]
     else:

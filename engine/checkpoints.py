@@ -137,9 +137,9 @@ def check_matches_target(path: Path, target: M.Transformer, target_dim: int, lay
     if n_target and n_target != t.n_layer:
         raise CheckpointError(f"draft {path} was trained on a target of {n_target} layers; "
                                 f"this one has {t.n_layer}")
-    if any(not 0 <= i <= t.n_layer for i in layers):
-        raise CheckpointError(f"draft {path} reads target hidden states {list(layers)}; this target has "
-                                f"only {t.n_layer} layers")
+    if any(not 0 <= i <= t.n_layer for i in layers):  # (quoted as its config writes them: layer outputs)
+        raise CheckpointError(f"draft {path} reads the outputs of target layers {to_layer_outputs(layers)} "
+                              f"(its config's layer ids); this target has layers 0 to {t.n_layer - 1}")
 
 
 def warn_if_trained_for_another_target(path: Path, config: dict, target: M.Transformer):
@@ -156,6 +156,25 @@ def warn_if_trained_for_another_target(path: Path, config: dict, target: M.Trans
     if not same:
         print(f"warning: draft {path} was trained for target {recorded}, not {source}; its guesses may "
               f"rarely be kept", file=sys.stderr)
+
+
+def eagle3_draft_vocab(config: dict, vocab_size: int, path: Path) -> int:
+    """An EAGLE-3 config's draft vocabulary, checked against the target's before anything is
+    allocated for it (its d2t map and head are draft-vocabulary sized)."""
+    draft_vocab = config.get("draft_vocab_size") or vocab_size
+    if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or not 1 <= draft_vocab <= vocab_size:
+        raise CheckpointError(f"draft {path}: draft_vocab_size must be a whole number from 1 to the target's "
+                              f"vocabulary of {vocab_size}, got {draft_vocab!r}")
+    return draft_vocab
+
+
+def check_vocab_map(d2t: torch.Tensor, vocab_size: int, path: Path):
+    """d2t maps draft token i to target token i + d2t[i]: every one must lie in the target's vocabulary."""
+    target_ids = d2t.long() + torch.arange(len(d2t))
+    if len(target_ids) and not (target_ids.min() >= 0 and target_ids.max() < vocab_size):
+        bad = int(((target_ids < 0) | (target_ids >= vocab_size)).nonzero()[0])
+        raise CheckpointError(f"draft {path}: d2t maps draft token {bad} to target token {int(target_ids[bad])}, "
+                              f"outside the target's vocabulary of {vocab_size}")
 
 
 def load_draft(path, target: M.Transformer, dtype=None, device=None):
@@ -179,7 +198,7 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
             target_dim = config.get("target_hidden_size", target.args.dim)
             layers = eagle3_layers_from_config(config, target.args.n_layer)
             check_matches_target(path, target, target_dim, layers, None)
-            net = Eagle3(args, target_dim, config.get("draft_vocab_size") or args.vocab_size, layers)
+            net = Eagle3(args, target_dim, eagle3_draft_vocab(config, args.vocab_size, path), layers)
         else:
             layers, mask_id, n_target = dflash_settings(config, args.n_layer, path)
             check_matches_target(path, target, config.get("target_hidden_size", target.args.dim),
@@ -194,6 +213,19 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
         sd["d2t"] = torch.zeros(expected["d2t"].shape, dtype=torch.long)
         sd["t2d"] = torch.ones(expected["t2d"].shape, dtype=torch.bool)
     sd.pop("embed_tokens.weight", None)  # EAGLE-3 may carry a copy of the target's; we use the target's
+    check_draft_tensors(sd, expected, kind, target.args.vocab_size, path)
+    # copies in memory of their own: tensors read from the file can sit at any offset of its buffer,
+    # and the CPU kernels' last bits depend on alignment, so a resumed training would part from the
+    # uninterrupted one
+    sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
+          for k, v in sd.items()}
+    net.load_state_dict(sd, assign=True)
+    return kind, net.eval()
+
+
+def check_draft_tensors(sd: dict, expected: dict, kind: str, vocab_size: int, path: Path):
+    """Every tensor the network uses, in its shape and kind of dtype, none other, all finite, and
+    an EAGLE-3 vocabulary map into the target's vocabulary; else a one-line CheckpointError."""
     unexpected = sorted(set(sd) - set(expected))
     if unexpected:
         raise CheckpointError(f"draft {path} holds tensor {unexpected[0]} that this {kind} network "
@@ -205,16 +237,14 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
         if sd[key].shape != t.shape:
             raise CheckpointError(f"draft tensor {key} in {path} has shape {tuple(sd[key].shape)}, "
                                     f"expected {tuple(t.shape)}")
+        if sd[key].is_floating_point() != t.is_floating_point() or (t.dtype == torch.bool) != (sd[key].dtype == torch.bool):
+            raise CheckpointError(f"draft tensor {key} in {path} is {str(sd[key].dtype).removeprefix('torch.')}, "
+                                  f"expected {str(t.dtype).removeprefix('torch.')}")
+    if kind == "eagle3":
+        check_vocab_map(sd["d2t"], vocab_size, path)
     bad = first_non_finite(sd)
     if bad:
         raise CheckpointError(f"draft {path} holds non-finite values in {bad}: refusing to decode with it")
-    # copies in memory of their own: tensors read from the file can sit at any offset of its buffer,
-    # and the CPU kernels' last bits depend on alignment, so a resumed training would part from the
-    # uninterrupted one
-    sd = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
-          for k, v in sd.items()}
-    net.load_state_dict(sd, assign=True)
-    return kind, net.eval()
 
 
 def write_draft_files(net, folder: Path, target_args: M.ModelArgs, extra_config: dict | None = None,

@@ -372,8 +372,9 @@ def get_args(argv=None):
 
 def check_and_complete(ap, args):
     """Refuse bad values in one line, before anything loads."""
-    if args.quick:
-        args.problems, args.max_new_tokens = 1, 8
+    for name, value in (("problems", 1), ("max_new_tokens", 8)) if args.quick else ():
+        if getattr(args, name) == ap.get_default(name):  # --quick fills in what the user left out
+            setattr(args, name, value)
     args.tasks = [t for t in args.tasks.split(",") if t]
     if not args.tasks or any(t not in ("arithmetic", "gsm8k", "humaneval") for t in args.tasks):
         ap.error("--tasks takes arithmetic, gsm8k and/or humaneval")

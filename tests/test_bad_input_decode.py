@@ -91,6 +91,13 @@ def test_a_tiny_temperature_decodes_with_a_tree_end_to_end(tiny_dir):
     (["--tree", "8", "--verifier", "none"], "with --verifier none nothing is drafted"),
     (["--tree", "100000"], "+ up to 100000 drafted a step needs"),
     (["--early-exit", "abc"], "--early-exit: invalid threshold value"),
+    (["--seed", "99999999999999999999999"], "--seed must lie in [0, 2^63)"),
+    (["--seed", "-1"], "--seed must lie in [0, 2^63)"),
+    (["--max-seq-len", "-5"], "--max-seq-len must be >= 2, got -5"),
+    (["--prompt-file", "/dev/null"], "is not a regular file (a device or a pipe)"),
+    (["--prompt-file", "data"], "prompt file data is a directory"),
+    (["--prompt", "word " * 9000, "--max-seq-len", "30000"], "the context holds 8192 (the model's "
+                                                             "max_position_embeddings: a shorter prompt"),
 ])
 def test_decode_flags_that_cannot_run_are_refused_before_loading(argv, message, decode_failure, monkeypatch):
     import decode

@@ -133,3 +133,24 @@ def test_an_unreadable_weights_file_is_named_as_such(tmp_path, tiny_dir, monkeyp
     with pytest.raises(M.CheckpointError, match="cannot read .*model.safetensors: permission denied"):
         WT.load_model(tmp_path / "m")
 
+
+
+BASE_CONFIG = dict(model_type="llama", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=96)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(rope_scaling="linear"), "'rope_scaling' must be an object, not 'linear'"),
+    (dict(rope_parameters=[1, 2]), "'rope_parameters' must be an object, not [1, 2]"),
+    (dict(rope_theta=float("inf")), "'rope_theta' must be a finite positive number, not inf"),
+    (dict(rope_theta=float("nan")), "'rope_theta' must be a finite positive number"),
+    (dict(rms_norm_eps=1e30), "'rms_norm_eps' must be a finite positive number below 1"),
+    (dict(rms_norm_eps=-1e-6), "'rms_norm_eps' must be a finite positive number"),
+])
+def test_config_fields_of_the_wrong_kind_or_range_are_refused(change, message):
+    """A target's or an EAGLE-3 draft's config.json (both read by ModelArgs.from_hf_config) with a
+    rope field of the wrong type, or a number that is not finite or out of range, is one line."""
+    with pytest.raises(M.CheckpointError, match="config.json field") as e:
+        M.ModelArgs.from_hf_config({**BASE_CONFIG, **change})
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert M.ModelArgs.from_hf_config({**BASE_CONFIG, "rope_scaling": None}).rope_scaling is None

@@ -119,7 +119,10 @@ def test_unwritable_out_fails_before_any_work(tmp_path, capsys):
     blocker.write_text("x")
     refusals = [(["--drafts", "lookup", "--out", str(blocker / "results.json")], "cannot write --out"),  # under a file
                 (["--drafts", "lookup", "--out", str(tmp_path)], "cannot write --out"),  # a directory
-                (["--prompt-file", str(tmp_path / "missing.jsonl")], "prompt file not found")]
+                (["--prompt-file", str(tmp_path / "missing.jsonl")], "prompt file not found"),
+                (["--weights-quality", "-1", "--speed-off"], "--weights-quality takes a number of texts >= 1"),
+                (["--max-new-tokens", "0"], "-k, --max-new-tokens and --limit must be >= 1"),  # not replaced by --quick
+                (["--limit", "-3"], "-k, --max-new-tokens and --limit must be >= 1")]
     for argv, message in refusals:  # main in this process: a refusal must come before anything loads
         with pytest.raises(SystemExit) as exit_:
             bench.main(["--quick", *argv])

@@ -194,7 +194,13 @@ def edit_checkpoint(path, config_edit=None, tensors_edit=None):
     (dict(config=lambda c: c.update(hidden_act="gelu")), "hidden_act='gelu'"),
     (dict(config=lambda c: c.update(target_hidden_size=128)), "hidden size 128"),
     (dict(config=lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 9]})),
-     "reads target hidden states [1, 2, 10]"),
+     "reads the outputs of target layers [0, 1, 9]"),
+    (dict(tensors=lambda sd: sd.update({"fc.weight": sd["fc.weight"].to(torch.int32)})), "fc.weight in .* is int32, "
+                                                                                       "expected float"),
+    (dict(tensors=lambda sd: sd.update({"d2t": torch.full_like(sd["d2t"], 100000000)})),
+     "d2t maps draft token 0 to target token 100000000, outside the target's vocabulary"),
+    (dict(config=lambda c: c.update(draft_vocab_size=1000000000), tensors=lambda sd: [sd.pop("d2t"), sd.pop("t2d")]),
+     "draft_vocab_size must be a whole number from 1 to the target's vocabulary"),
 ])
 def test_eagle3_checkpoint_that_would_run_wrong_is_refused(target, tmp_path, change, message):
     path = tmp_path / "released"

@@ -187,7 +187,10 @@ def test_quick_run_is_consistent_and_resumes(tmp_path, capsys):
 
 @pytest.mark.parametrize("bad,message", [(["--tasks", "chess"], "--tasks"), (["--configs", "minp p_base=0.7"],
                                          "unknown configuration"), (["--temperature", "0"], "--temperature"),
-                                         (["--problems", "0"], "--problems"), (["--tree", "-2"], "--tree")])
+                                         (["--problems", "0"], "--problems"), (["--tree", "-2"], "--tree"),
+                                         # --quick fills in only what the user left out
+                                         (["--quick", "--problems", "-1"], "--problems"),
+                                         (["--quick", "--max-new-tokens", "0"], "--max-new-tokens")])
 def test_bad_arguments_fail_in_one_line(bad, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         lossy.get_args(bad)

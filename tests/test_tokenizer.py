@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 import tokenizer as T
 from tokenizer import load_tokenizer
 
@@ -123,3 +125,15 @@ def test_llama3_tiktoken_file_and_chat_template(tmp_path):
     ids = tok.encode_chat([{"role": "user", "content": "hello"}])
     assert tok.decode(ids) == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>"
                                "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+@pytest.mark.parametrize("damage", ["cut short", "not json", "no model"])
+def test_a_damaged_tokenizer_json_is_named_in_one_line(tmp_path, damage):
+    from engine.weights import DEFAULT_TARGET, resolve_model
+    from model import CheckpointError
+    text = (resolve_model(DEFAULT_TARGET) / "tokenizer.json").read_text()
+    (tmp_path / "tokenizer.json").write_text({"cut short": text[:4813], "not json": "\x00binary",
+                                              "no model": '{"added_tokens": []}'}[damage])
+    with pytest.raises(CheckpointError, match=str(tmp_path / "tokenizer.json")) as e:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(e.value)

@@ -4,6 +4,8 @@ state, settings checked before any work, held-out prompts, machine-dependent def
 import argparse
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,6 +46,8 @@ TARGET_ARGS = M.ModelArgs(model_type="llama", vocab_size=50, dim=32, n_layer=4, 
     (["--steps", "10", "--stop-at", "11"], "--stop-at must be a step from 1 to --steps (10)"),
     (["--stop-at", "0"], "--stop-at must be a step from 1"),
     (["--lr", "nan"], "--lr > 0"),
+    (["--draft", "dflash", "--draft-layers", "-1"], "--draft-layers must be >= 1, got -1"),
+    (["--draft", "dflash", "--draft-layers", "0"], "--draft-layers must be >= 1, got 0"),
     (["--objective", "baseline", "--vat-parts", "head"], "--vat-parts applies to --objective vat"),
     (["--vat-parts", "head,magic"], "subset of head,weighting,ce"),
     (["--early-exit-threshold", "0.1"], "goes with --export"),
@@ -177,6 +181,16 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     TV.main(common + ["--steps", "4", "--resume"])  # continues at step 3, reusing the cached data
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [s["step"] for s in log] == [1, 2, 3, 4]
+    # a resumed run trains the checkpoint's draft with its objective, or refuses and writes nothing
+    before = (tmp_path / "run" / "log.jsonl").read_text()
+    other = "dflash" if kind == "eagle3" else "eagle3"
+    with pytest.raises(ValueError, match=f"trains a {kind} draft, not {other}: pass --draft {kind}"):
+        TV.main([other if a == kind else a for a in common] + ["--steps", "6", "--resume"])
+    with pytest.raises(ValueError, match="trains with --objective vat --vat-parts .*: pass --objective vat"):
+        TV.main(common + ["--steps", "6", "--resume", "--objective", "baseline"])
+    with pytest.raises(ValueError, match="not --objective vat --vat-parts head"):
+        TV.main(common + ["--steps", "6", "--resume", "--vat-parts", "head"])
+    assert (tmp_path / "run" / "log.jsonl").read_text() == before
     assert sorted((tmp_path / "cache").glob("corpus-*/shard-*.pt" if kind == "eagle3" else "responses-*.pt")) \
         == sorted(cache)
     found, net = load_draft(tmp_path / "run" / "checkpoint", WT.load_model(tmp_path / "target"))
@@ -287,7 +301,6 @@ def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, draft):
 @pytest.mark.slow
 def test_train_vat_under_torchrun_ddp(tmp_path):
     """Two CPU processes (gloo) train one draft; rank 0 writes the checkpoint."""
-    import subprocess
     import sys
     from pathlib import Path
     tiny_chat_target(tmp_path / "target")
@@ -333,3 +346,16 @@ def test_training_from_the_corpus_equals_training_on_the_fly(tmp_path, kind):
     captured, stats = loss(*batch)
     assert captured.item() == pytest.approx(fly.item(), rel=2e-3)
     assert stats["sim_tau"] == pytest.approx(fly_stats["sim_tau"], rel=1e-3)
+
+
+def test_an_interrupted_training_says_where_it_stands_in_one_line(tmp_path):
+    """Ctrl-C during training: no traceback, a non-zero exit, one line saying --resume continues."""
+    tiny_chat_target(tmp_path / "target")
+    code = ("import os, signal, sys, threading, runpy; sys.path.insert(0, '.'); import train_vat; "
+            "threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start(); "
+            "sys.argv = ['train_vat.py'] + sys.argv[1:]; runpy.run_path('train_vat.py', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code, "--quick", "--target", str(tmp_path / "target"), "--steps", "100000",
+                        "--save-every", "1", "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "interrupted: --resume continues from the last checkpoint written"
