@@ -227,7 +227,7 @@ def estimated_ms(path: Path, layout: str, context: int, n_layer: int, blocks) ->
     ms, probe_ms = {}, {}
     for b in blocks:
         probe_ms[b] = 1e3 * step_seconds(probe, b, cold=True)
-        layers_ms = probe_ms[b] - 1e3 * step_seconds(small_head, b, cold=True)
+        layers_ms = probe_ms[b] - 1e3 * step_seconds(small_head, b)  # (tiny: its cost is overhead, cached or not)
         ms[b] = round(head_ms[b] + n_layer * max(layers_ms, 0.0) / len(probe.layers), 3)
     return ms, probe, probe_ms
 
@@ -422,7 +422,8 @@ def choose_layout(path: Path) -> dict:
         del probe
         release_memory()
     best = min(ms, key=ms.get)
-    table, agreed = measure_blocks(path, best, n_layer)
+    kept = kept_block_table(path, best)  # (a run that named the layout timed its blocks already)
+    table, agreed = (kept, True) if kept else measure_blocks(path, best, n_layer)
     entry = {"layout": best, "ms": ms, "inexact": inexact, **table, "date": time.strftime("%Y-%m-%d")}
     # the block table's one-token step times the chosen layout's again: a second repeat
     keep(key, entry, quiet and machine_is_quiet(), agreed and agree(ms[best], table["blocks_ms"]["1"]))
@@ -472,12 +473,23 @@ def release_memory(collect: bool = True):
         glibc().malloc_trim(0)
 
 
+def kept_block_table(path: Path, layout: str) -> dict | None:
+    """A layout's kept block table: its own entry, or auto's decision where auto chose it; None."""
+    cache = read_cache()
+    named, auto = cache.get(cache_key(path, f"blocks {layout}")), cache.get(cache_key(path, "layout"))
+    if valid_block_table(named):
+        return {k: named[k] for k in ("blocks_ms", "attention_ms_per_key")}
+    if valid_choice(auto) and auto["layout"] == layout:
+        return {k: auto[k] for k in ("blocks_ms", "attention_ms_per_key")}
+    return None
+
+
 def block_table(path: Path, layout: str) -> dict:
     """The block table (measure_blocks) of a layout asked for by name (auto's comes with its
     choice), measured once and kept as auto's decision is."""
     key = cache_key(path, f"blocks {layout}")
-    known = read_cache().get(key)
-    if valid_block_table(known):
+    known = kept_block_table(path, layout)
+    if known:
         return known
     quiet = machine_is_quiet()
     table, agreed = measure_blocks(path, layout, int(read_config(path).get("num_hidden_layers") or 1))

@@ -118,6 +118,14 @@ def decode_failure(monkeypatch, capsys):
     return run
 
 
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    """A tiny Qwen3 target the draft tests (test_draft, test_eagle3, test_dflash) draft for."""
+    m = WT.load_model(tiny_dir("qwen3_untied"))
+    m.setup_caches(1, 128)
+    return m
+
+
 # random EAGLE-3 and DFlash drafts over a target (non-trivial norms and biases: a path that ignores one fails)
 
 def eagle3_net(target, draft_vocab=60, seed=0):

@@ -241,7 +241,7 @@ def test_the_probe_estimates_a_whole_forward(six_layers, monkeypatch):
     assert len(probe.layers) == LY.PROBE_LAYERS and probe.args.vocab_size == LY.PROBE_VOCAB
     assert LY.layout_of(probe) == "float32" and probe_ms[1] == pytest.approx(0.1 + 3.0 * LY.PROBE_LAYERS)
     assert [t[:2] for t in timed] == [(0, 49152)] * 2 + [(LY.PROBE_LAYERS, LY.PROBE_VOCAB), (0, LY.PROBE_VOCAB)] * 2
-    assert all(cold for *_, cold in timed)
+    assert [cold for *_, cold in timed] == [True, True, True, False, True, False]  # (the tiny head: warm)
 
 
 def test_block_costs_interpolate_and_never_fall():
@@ -340,3 +340,20 @@ def test_kept_decisions_key_on_the_step_code_not_its_text(tmp_path, monkeypatch)
     copy.write_text(source.replace("return self.norm(x), [hidden[i] for i in hidden_layers]",
                                    "return self.norm(x * 1), [hidden[i] for i in hidden_layers]", 1))
     assert copy.read_text() != source and LY.step_code_digest() != before
+
+
+def test_a_layouts_blocks_are_timed_once_whoever_asks_first(six_layers, tmp_path, monkeypatch):
+    """auto's decision carries its layout's block table, and a run that names that layout reads it
+    from there; a table kept for a layout named first serves auto's choice of it."""
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "layouts.json")
+    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
+    timed = []
+    fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
+    choice = LY.choose_layout(six_layers)
+    timed.clear()
+    assert LY.block_table(six_layers, "float32")["blocks_ms"] == choice["blocks_ms"] and not timed
+    LY.forget_timings(six_layers)
+    table = LY.block_table(six_layers, "float32")
+    timed.clear()
+    assert LY.choose_layout(six_layers)["blocks_ms"] == table["blocks_ms"]
+    assert {block for _, block, _ in timed} == {1}  # the candidates' one-token steps only

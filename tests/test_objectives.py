@@ -5,7 +5,7 @@ import argparse
 import pytest
 import torch
 import torch.nn.functional as F
-from test_draft import eagle3_net
+from conftest import eagle3_net
 
 from engine import weights as WT
 import model as M

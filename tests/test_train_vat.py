@@ -9,9 +9,8 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_chat_target
+from conftest import dflash_net, eagle3_net, tiny_chat_target
 from test_corpus import corpus_recipe
-from test_draft import dflash_net, eagle3_net
 
 from data import corpus as C
 from engine import checkpoints as CK
