@@ -21,7 +21,7 @@ from engine.checkpoints import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
 from engine.files import repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, recheck_kept_timing,
                             run_block_costs, target_layout)
-from engine.machine import add_machine_options, compile_step, machine_problem, pick_threads, wants_compile
+from engine.machine import add_machine_options, compile_step, machine_problem, pick_threads, wall_clock, wants_compile
 from data.prompts import read_prompts
 from speculative import DECODE_K, adaptive, adaptive_tree_problem, check_request, exact_verifier, generate
 from tokenizer import load_tokenizer
@@ -255,7 +255,7 @@ def run_draft(args, target, choice: dict, tokenizer, generator, step_fn=None):
                         generator=generator, early_exit=args.early_exit)
     if not args.adaptive:
         return draft
-    return adaptive(draft, run_block_costs(target, choice), args.tree, args.temperature)
+    return adaptive(draft, run_block_costs(target, choice), args.tree, args.temperature, wall_clock(args.device))
 
 
 def compiled_step(target, device: str):
@@ -333,7 +333,7 @@ def decode_prompts(args, encoded: list, target, tokenizer, draft, verifier, gene
                           max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, stop_ids=stop_ids,
                           generator=generator,
-                          on_tokens=stream, step_fn=step_fn, tree=args.tree)
+                          on_tokens=stream, step_fn=step_fn, tree=args.tree, clock=wall_clock(args.device))
         sys.stdout.write(utf8.decode(b"", final=True) + "\n")
         sys.stdout.flush()
         print(summary_line(result, args, draft is not None, layout), file=sys.stderr)

@@ -12,7 +12,6 @@ model.py checkpoint sharing the target's tokenizer), what the two trained drafts
 heads share (their networks live in eagle3.py and dflash.py), and two wrappers of any draft: a
 hybrid with prompt lookup, and an adaptive draft length that drafts where it pays.
 """
-import time
 import torch
 
 from verify import probs_from_logits, sample
@@ -273,7 +272,9 @@ class AdaptiveDraft(Draft):
     whether drafting pays again: a free draft (prompt lookup) is watched, its proposals compared
     with the tokens plain decoding commits, at no cost; any other drafts one token after 1, 2, 4
     ... 16 plain steps. cost None (a GPU, where a block costs about a step) counts every block as
-    one step. The draft still sees every commit. Trees are sized by the same rule (propose_tree)."""
+    one step. The draft still sees every commit. Trees are sized by the same rule (propose_tree).
+    clock: the caller's (a callable giving seconds), with which the draft's own time is learned;
+    without one the draft is taken to cost nothing."""
 
     MAX_PAUSE = 16
     # what a drafting step must gain over a plain one: its own work (the proposal, the verifier,
@@ -281,8 +282,8 @@ class AdaptiveDraft(Draft):
     MARGIN = 1.04
     DECAY = 0.9  # weight of the past in the acceptance estimate, per drafted token seen
 
-    def __init__(self, draft, cost=None, step_seconds: float | None = None):
-        self.draft = draft
+    def __init__(self, draft, cost=None, step_seconds: float | None = None, clock=None):
+        self.draft, self.clock = draft, clock
         self.target_layers = draft.target_layers
         self.max_tokens = draft.max_tokens
         self.cost, self.step_seconds = cost, step_seconds
@@ -346,7 +347,7 @@ class AdaptiveDraft(Draft):
         if n == 0:
             return no_tokens()
         self.watched = []
-        start = time.perf_counter()
+        start = self.clock() if self.clock else None
         tokens, q = self.draft.propose(n)
         self.proposed = len(tokens)
         self.time_draft(start, len(tokens))
@@ -355,8 +356,8 @@ class AdaptiveDraft(Draft):
     def time_draft(self, start: float, forwards: int):
         """Learn the draft's time per forward (one token of a chain, one depth of a tree), in
         one-token target steps."""
-        if forwards and self.step_seconds:
-            per_forward = (time.perf_counter() - start) / forwards / self.step_seconds
+        if forwards and self.step_seconds and self.clock:
+            per_forward = (self.clock() - start) / forwards / self.step_seconds
             self.draft_step = self.DECAY * self.draft_step + (1 - self.DECAY) * per_forward
 
     def propose_tree(self, n: int, depth: int, size=None):
@@ -368,7 +369,7 @@ class AdaptiveDraft(Draft):
         depth = self.paced(self.best_length(depth))
         if depth == 0:
             return no_tokens()[0], [], None
-        start = time.perf_counter()
+        start = self.clock() if self.clock else None
         tokens, parents, q = self.draft.propose_tree(n, depth, size=lambda values: self.tree_size(values, depth))
         self.time_draft(start, depth)
         self.proposed = len(tokens)

@@ -8,7 +8,6 @@ position (stale entries past it are masked, then overwritten). With no draft, k 
 ordinary autoregressive decoding: the baseline every speedup is measured against. decode.py is its
 command line; bench.py, train_vat.py and the experiments decode through it too.
 """
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,21 +25,22 @@ class Stats:
     forwards: int = 0  # target forwards, one per step
     drafted: int = 0  # tokens the draft proposed
     declined: int = 0  # positions the draft chose not to propose (early exit, no lookup match)
-    draft_seconds: float = 0.0
+    draft_seconds: float | None = None  # with a clock: the time spent drafting
     drafted_at: list = field(default_factory=list)  # per draft position: blocks that drafted it
     kept_at: list = field(default_factory=list)  # per draft position: blocks in which it was kept
 
     def __post_init__(self):
         self.drafted_at, self.kept_at = [0] * self.k, [0] * self.k
 
-    def result(self, new: list, seconds: float, prefill_seconds: float, draft_forwards: int) -> dict:
+    def result(self, new: list, seconds: float | None, prefill_seconds: float | None, draft_forwards: int) -> dict:
+        """The counts, and where the time went when the run had a clock (None where it had not)."""
         return {
             "tokens": new,
             "new_tokens": len(new),
             "seconds": seconds,
             "prefill_seconds": prefill_seconds,
             "draft_seconds": self.draft_seconds,
-            "tokens_per_s": len(new) / max(seconds - prefill_seconds, 1e-9),
+            "tokens_per_s": None if seconds is None else len(new) / max(seconds - prefill_seconds, 1e-9),
             "target_forwards": self.forwards,
             "draft_forwards": draft_forwards,
             "drafted_tokens": self.drafted,
@@ -63,7 +63,7 @@ class Stats:
 
 def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, stats: Stats, device,
                      temperature: float = 0.0, top_p: float = 1.0, generator=None, on_verify=None,
-                     tree: int = 0, target=None):
+                     tree: int = 0, target=None, clock=None):
     """The algorithm: the draft guesses k tokens; one target forward scores the last committed
     token and the k guesses at positions [L-1, L+k-1]; the verifier keeps n guesses and adds one
     token of its own. Returns the n + 1 new tokens, n, and the target's hidden states there.
@@ -71,16 +71,17 @@ def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, stat
     forward scores every node against its own ancestors, the verifier walks down one path, and
     the target's cache keeps that path (target.keep_path). on_verify(p, q, guesses, n), when
     given, sees what the verifier saw (lossy.py measures the distortion of each committed token
-    from it); for a tree, guesses are the accepted path's and p, q its rows."""
+    from it); for a tree, guesses are the accepted path's and p, q its rows. clock, when given,
+    times the drafting (stats.draft_seconds)."""
     guesses, q, parents = torch.tensor([], dtype=torch.long), None, None
-    if k > 0:  # (plain decoding pays no timing and no GPU sync here)
-        t0 = time.perf_counter()
+    if k > 0:  # (plain decoding reads no clock here)
+        t0 = clock() if clock else None
         if tree:
             guesses, parents, q = draft.propose_tree(tree, k)
         else:
             guesses, q = draft.propose(k)
-        synchronize(device)
-        stats.draft_seconds += time.perf_counter() - t0
+        if clock:
+            stats.draft_seconds += clock() - t0
     x = torch.cat([torch.tensor([seq[-1]]), guesses.cpu()]).to(device)[None]  # (1, n_guesses + 1)
     positions = torch.arange(len(seq) - 1, len(seq) + len(guesses), device=device)
     chain_shaped = parents is None or parents == list(range(-1, len(guesses) - 1))
@@ -117,34 +118,35 @@ def exact_verifier(temperature: float) -> Verifier:
 def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = None, k: int = 0,
              max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, stop_ids=(),
              generator: torch.Generator | None = None, on_tokens=None, step_fn=None, on_verify=None,
-             tree: int = 0) -> dict:
+             tree: int = 0, clock=None) -> dict:
     """Generate up to max_new_tokens tokens after prompt_ids, speculatively when a draft is given
     (plain decoding is the case of no draft, k = 0). The verifier defaults to the exact rule for the
     temperature; greedy at T > 0 is refused, as it would emit the argmax whatever T says. Returns
     the new ids and statistics: tau (new tokens per target forward, bonus included), forwards,
     per-position acceptance. tree > 0 drafts trees of at most `tree` nodes and depth k instead of
-    chains of k."""
+    chains of k. clock: the caller's, a callable giving seconds after the device's queued work is
+    done (engine.machine.wall_clock); with it the result says where the time went (the prefill,
+    the drafting, tokens/s after the prefill), without it those are None."""
     verifier = exact_verifier(temperature) if verifier is None else verifier
     step_fn = target if step_fn is None else step_fn  # (a compiled module has no truth value)
     draft, k = (NoDraft(), 0) if draft is None else (draft, k)
     check_request(target.max_seq_len, len(prompt_ids), max_new_tokens, max(k, tree if k else 0), verifier,
                   temperature)
     device, L = target.embed_tokens.weight.device, len(prompt_ids)
-    t_start = time.perf_counter()
+    t_start = clock() if clock else None
     draft_forwards_before = draft.forwards
     # prefill everything but the last prompt token: each step starts by feeding that one
     _, hidden = target(torch.tensor([prompt_ids[:-1]], device=device), torch.arange(L - 1, device=device),
                        hidden_layers=draft.target_layers, last_logits_only=True) if L > 1 else (None, [])
     draft.start(prompt_ids, torch.cat(hidden, -1)[0] if hidden else None)  # (L-1, n_layers * dim)
-    synchronize(device)
-    t_prefill = time.perf_counter() - t_start
-    seq, new, stats = list(prompt_ids), [], Stats(k)
+    t_prefill = clock() - t_start if clock else None
+    seq, new, stats = list(prompt_ids), [], Stats(k, draft_seconds=0.0 if clock else None)
     while len(new) < max_new_tokens:
         # guesses past the token budget are wasted; a DFlash block holds at most block_size - 1
         budget = min(k, max_new_tokens - len(new) - 1, draft.max_tokens)
         out, n, hidden = speculative_step(step_fn, seq, draft, budget, verifier, stats, device,
                                           temperature=temperature, top_p=top_p, generator=generator,
-                                          on_verify=on_verify, tree=tree, target=target)
+                                          on_verify=on_verify, tree=tree, target=target, clock=clock)
         # a stop token, even inside a kept block, ends generation there
         stop = next((j for j, t in enumerate(out) if t in stop_ids), None)
         out = out[:min(len(out) if stop is None else stop + 1, max_new_tokens - len(new))]
@@ -156,8 +158,8 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
             break
         # the target's states at the committed positions: the token fed and the n kept
         draft.commit(out, n, torch.cat(hidden, -1)[0, :n + 1] if hidden else None)
-    synchronize(device)
-    return stats.result(new, time.perf_counter() - t_start, t_prefill, draft.forwards - draft_forwards_before)
+    seconds = clock() - t_start if clock else None
+    return stats.result(new, seconds, t_prefill, draft.forwards - draft_forwards_before)
 
 
 def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifier: Verifier,
@@ -175,22 +177,17 @@ def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifie
                          f"{L + max_new_tokens + k} positions; the context holds {max_seq_len} ({remedy})")
 
 
-def synchronize(device: torch.device):
-    """Wait for the GPU, so wall times measure the work and not its launch."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def adaptive(draft, block_costs: tuple, tree: int = 0, temperature: float = 0.0) -> AdaptiveDraft:
+def adaptive(draft, block_costs: tuple, tree: int = 0, temperature: float = 0.0, clock=None) -> AdaptiveDraft:
     """The draft with its length (or with tree > 0, its tree's size) chosen each step by what a
     block costs (draft.AdaptiveDraft). block_costs: (cost(n, context) of a forward verifying n
     drafted tokens, in one-token steps, and the seconds of one step), as the caller measured them
     for the run's target (the CPU engine's engine.layouts.run_block_costs); (None, None) counts
-    every block as one step, as on a GPU."""
+    every block as one step, as on a GPU. clock: the caller's (generate's), with which the
+    adaptive draft learns what its draft's own forwards cost; without one, they cost nothing."""
     problem = adaptive_tree_problem(tree, temperature, draft.sizes_trees)
     if problem:
         raise ValueError(problem)
-    return AdaptiveDraft(draft, *block_costs)
+    return AdaptiveDraft(draft, *block_costs, clock=clock)
 
 
 def adaptive_tree_problem(tree: int, temperature: float, sizes_trees: bool = True) -> str | None:

@@ -58,6 +58,19 @@ def start_processes(device: str):
     return device, dist.get_rank(), dist.get_world_size()
 
 
+def wall_clock(device: str):
+    """The clock runs are timed with: seconds on the wall, read after the device's queued work is
+    done (on CUDA a kernel returns at launch), so a timing measures the work."""
+    if not str(device).startswith("cuda"):
+        return time.perf_counter
+    target = torch.device(device)
+
+    def clock():
+        torch.cuda.synchronize(target)
+        return time.perf_counter()
+    return clock
+
+
 def wants_compile(flag: str, device: str) -> bool:
     """--compile auto|on|off: auto compiles on CUDA only (on CPU the packed eager model is faster)."""
     return flag == "on" or (flag == "auto" and device.startswith("cuda"))

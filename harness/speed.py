@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from engine.checkpoints import build_draft, checkpoint_step
 from engine.layouts import run_block_costs
-from engine.machine import peak_memory_mb, reset_peak_memory
+from engine.machine import peak_memory_mb, reset_peak_memory, wall_clock
 from harness.peers import hf_peer, llama_cpp_peer
 from speculative import adaptive, generate
 from harness.stats import paired_ratio, quartiles
@@ -87,7 +87,10 @@ def make_draft(spec, target, tokenizer, temperature, generator, choice: dict):
     base, early_exit, tree, adapt = parse_spec(spec)
     draft = build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
                         early_exit=early_exit)
-    return adaptive(draft, run_block_costs(target, choice), tree, temperature) if adapt else draft
+    if not adapt:
+        return draft
+    clock = wall_clock(target.embed_tokens.weight.device.type)
+    return adaptive(draft, run_block_costs(target, choice), tree, temperature, clock)
 
 
 @dataclass
@@ -104,17 +107,18 @@ class Run:
     tree: int = 0  # draft trees of this many nodes (0: chains)
 
 
-def emit(run: Run, ids: list, k: int, max_new_tokens: int, stop_ids, generator, step_fn=None) -> dict:
+def emit(run: Run, ids: list, k: int, max_new_tokens: int, stop_ids, generator, step_fn=None, clock=None) -> dict:
     """One run on one prompt: what it emitted and its statistics, with its rate over the whole
     call (prompt included), the one rate ours and transformers' generate share. Plain decoding
     (no draft) and a run without a verifier take the exact rule for their temperature."""
     if run.peer is not None:
         r = run.peer(ids, max_new_tokens, run.temperature, stop_ids)
     else:
+        clock = clock or wall_clock(run.target.embed_tokens.weight.device.type)  # (a timed run, always)
         # a tree's shape changes every step: trees run eager, never through one static compiled graph
         r = generate(run.target, ids, run.draft, run.verifier, k=k if run.draft else 0,
                      max_new_tokens=max_new_tokens, temperature=run.temperature, stop_ids=stop_ids,
-                     generator=generator, step_fn=None if run.tree else step_fn, tree=run.tree)
+                     generator=generator, step_fn=None if run.tree else step_fn, tree=run.tree, clock=clock)
     return {**r, "wall_tokens_per_s": r["new_tokens"] / max(r["seconds"], 1e-9)}
 
 
@@ -125,7 +129,7 @@ def interleave(runs: list, prompts: list, k: int, max_new_tokens: int, stop_ids,
     Returns {run name: [one result per prompt]}."""
     def timed(run: Run, ids):
         reset_peak_memory(device)
-        r = emit(run, ids, k, max_new_tokens, stop_ids, generator, step_fn)
+        r = emit(run, ids, k, max_new_tokens, stop_ids, generator, step_fn, wall_clock(device))
         return {**r, "peak_memory_mb": peak_memory_mb(device)}
 
     for _, ids in prompts[:warmup]:

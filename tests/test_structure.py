@@ -36,6 +36,7 @@ def test_a_core_module_imports_no_package(name):
     imports = imported_modules(ROOT / name)
     assert not {m for m in imports if m.split(".")[0] in PACKAGES}, imports
     assert {m for m in imports if m in local} <= {Path(c).stem for c in CORE}  # no script either
+    assert "time" not in imports  # timing is the caller's: it hands the loop a clock
 
 
 def test_no_model_attribute_is_assigned_outside_model_py():
