@@ -227,7 +227,9 @@ def estimated_ms(path: Path, layout: str, context: int, n_layer: int, blocks) ->
     ms, probe_ms = {}, {}
     for b in blocks:
         probe_ms[b] = 1e3 * step_seconds(probe, b, cold=True)
-        layers_ms = probe_ms[b] - 1e3 * step_seconds(small_head, b)  # (tiny: its cost is overhead, cached or not)
+        # (timed cold as the probe is: a flush evicts the interpreter's state too, which a warm
+        # timing would leave in the layers' share, multiplied by n_layer / PROBE_LAYERS)
+        layers_ms = probe_ms[b] - 1e3 * step_seconds(small_head, b, cold=True)
         ms[b] = round(head_ms[b] + n_layer * max(layers_ms, 0.0) / len(probe.layers), 3)
     return ms, probe, probe_ms
 

@@ -241,7 +241,7 @@ def test_the_probe_estimates_a_whole_forward(six_layers, monkeypatch):
     assert len(probe.layers) == LY.PROBE_LAYERS and probe.args.vocab_size == LY.PROBE_VOCAB
     assert LY.layout_of(probe) == "float32" and probe_ms[1] == pytest.approx(0.1 + 3.0 * LY.PROBE_LAYERS)
     assert [t[:2] for t in timed] == [(0, 49152)] * 2 + [(LY.PROBE_LAYERS, LY.PROBE_VOCAB), (0, LY.PROBE_VOCAB)] * 2
-    assert [cold for *_, cold in timed] == [True, True, True, False, True, False]  # (the tiny head: warm)
+    assert all(cold for *_, cold in timed)
 
 
 def test_block_costs_interpolate_and_never_fall():
