@@ -289,11 +289,15 @@ def step_code_digest() -> str:
     return hashlib.sha1("\n".join(trees).encode()).hexdigest()[:10]
 
 
+# Raised when the way the probes estimate a forward changes: decisions timed the old way are timed again.
+TIMING_METHOD = 2
+
+
 def cache_key(path: Path, what: str) -> str:
-    """What a kept decision holds for: the CPU, torch, threads, the model, and the step's code
-    (step_code_digest)."""
+    """What a kept decision holds for: the CPU, torch, threads, the model, the step's code
+    (step_code_digest) and the timing method."""
     cpu = cpu_description()
-    step_code = step_code_digest()
+    step_code = f"{step_code_digest()} timing {TIMING_METHOD}"
     return " | ".join([cpu["cpu"], ",".join(cpu["cpu_features"]), f"torch {torch.__version__}",
                        f"{torch.get_num_threads()} threads", str(Path(path).resolve()), what, f"step code {step_code}"])
 
