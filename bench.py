@@ -254,12 +254,8 @@ def add_machine_args(ap):
                         "its pages show)")
 
 
-def check_and_complete(ap, args):
-    """Parse the lists, refuse bad values in one line, and check that the results can be written,
-    all before hours of measuring."""
-    problem = machine_problem(args.device, args.threads, args.dtype, wants_compile(args.compile, args.device))
-    if problem:
-        ap.error(problem)
+def check_counts(ap, args):
+    """--quick's settings where the user left the defaults, then every count the user typed checked."""
     for name, value in (("limit", 1), ("max_new_tokens", 16), ("warmup", 0)) if args.quick else ():
         if getattr(args, name) == ap.get_default(name):  # --quick fills in what the user left out
             setattr(args, name, value)
@@ -270,6 +266,15 @@ def check_and_complete(ap, args):
                  f"of prompts >= 0, got {args.weights_quality} and {args.warmup}")
     if min(args.num_draft_tokens, args.max_new_tokens, args.limit) < 1:
         ap.error("-k, --max-new-tokens and --limit must be >= 1")
+
+
+def check_and_complete(ap, args):
+    """Parse the lists, refuse bad values in one line, and check that the results can be written,
+    all before hours of measuring."""
+    problem = machine_problem(args.device, args.threads, args.dtype, wants_compile(args.compile, args.device))
+    if problem:
+        ap.error(problem)
+    check_counts(ap, args)
     try:
         args.temperatures = [float(t) for t in args.temperatures.split(",")]
     except ValueError:

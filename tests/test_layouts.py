@@ -212,7 +212,7 @@ def test_a_kept_timing_that_a_run_outpaces_is_timed_again(six_layers, tmp_path, 
 
 def test_a_cache_that_is_a_link_is_written_through_it(six_layers, tmp_path, monkeypatch):
     """A layouts cache linked to a shared file stays a link; the shared file takes the decision."""
-    shared = tmp_path / "shared" / "layouts.json"
+    shared = tmp_path / "elsewhere" / "layouts.json"
     shared.parent.mkdir()
     shared.write_text("{}")
     link = tmp_path / "layouts.json"
