@@ -15,8 +15,9 @@ Verification-Aware Training (VAT) of EAGLE-3 and DFlash drafts, and their plain 
 3. The objectives (objectives.py): EAGLE-3's training-time test of K = 7 steps and DFlash's
    blocks, plain or with VAT's parts: simulated verification, the verification head, and loss
    weights that restart their decay at the first rejection k*.
-4. Shipping: --export runs/NAME/checkpoint drafts/NAME writes the trained draft in bf16 with the
-   early-exit threshold chosen for it (checkpoints keep fp32 for the optimizer).
+4. Shipping: --export runs/NAME/checkpoint drafts/NAME writes the trained draft in bf16 in the layout
+   vLLM and SGLang serve, its verification head and the early-exit threshold chosen for it in
+   drafts/NAME/vat/ (checkpoints keep fp32 for the optimizer).
 """
 import argparse
 import json
@@ -33,8 +34,8 @@ from tqdm import tqdm
 
 from engine import linear_forms as LF
 import model as M
-from engine.checkpoints import (checkpoint_dirs, draft_kind, latest_checkpoint, load_draft, read_log,
-                         save_checkpoint, save_draft)
+from engine.checkpoints import (checkpoint_dirs, draft_kind, draft_record, latest_checkpoint, load_draft,
+                                read_log, save_checkpoint, save_draft)
 from data.corpus import (DEFAULT_DATA, SHAREGPT, Corpus, Recipe, batches, build_corpus, build_dataset, corpus_batches,
                     data_sources, draft_vocabulary, fitting, length_groups)
 from data.sharegpt import PACKAGE as SHAREGPT_PACKAGE, package_problem
@@ -186,8 +187,9 @@ def add_other_modes(ap):
                    help="train nothing: write the learning curves of the finished runs in --runs to FILE (JSON)")
     g.add_argument("--runs", nargs="+", default=[], metavar="DIR", help="--out directories, for --learning-curves")
     g.add_argument("--export", nargs=2, default=None, metavar=("CHECKPOINT", "DIR"),
-                   help="train nothing: write a run's checkpoint (e.g. runs/NAME/checkpoint) as a draft to ship "
-                        "in DIR: bf16, the released layout, without the optimizer state")
+                   help="train nothing: write a run's checkpoint (e.g. runs/NAME/checkpoint), or a draft of an "
+                        "older export, as a draft to ship in DIR: bf16, without the optimizer state, in the layout "
+                        "vLLM and SGLang load, the verification head and VAT's record beside it in DIR/vat/")
     g.add_argument("--early-exit-threshold", type=float, default=None,
                    help="with --export, the threshold a bare decode.py --early-exit takes from the draft")
 
@@ -345,7 +347,7 @@ def draft_to_train(args, target, data, device):
     resumed = latest_checkpoint(args.out, target) if args.resume else None
     if resumed:
         net, state, log = resumed
-        refuse_other_settings(args, net, read_config(args.out / f"step-{state['step']:06d}").get("vat", {}))
+        refuse_other_settings(args, net, draft_record(args.out / f"step-{state['step']:06d}"))
         print(f"resuming from step {state['step']}", file=sys.stderr)
     else:
         if args.resume:
@@ -506,7 +508,7 @@ def learning_curves(run_dirs: list) -> dict:
         if folder.name in runs:  # the record is keyed by run name: a second one would overwrite the first
             raise ValueError(f"two runs named {folder.name} in --runs: give each run its own name")
         config = read_config(folder / "checkpoint")
-        trained = config.get("vat", {})
+        trained = {k: v for k, v in draft_record(folder / "checkpoint").items() if k != "early_exit_threshold"}
         if trained.get("objective") == "baseline":  # checkpoints once recorded every part for it
             trained = {**trained, "vat_parts": []}
         runs[folder.name] = {"draft": draft_kind(config), **trained,
@@ -527,14 +529,16 @@ def write_learning_curves(out: Path, run_dirs: list, argv=None):
 
 
 def export_draft(checkpoint: Path, out: Path, target_name: str, early_exit_threshold: float | None):
-    """A training checkpoint as a draft to ship: the network in bf16 (half the bytes; training keeps
-    fp32 for its optimizer), what it was trained with, and the early-exit threshold chosen for it."""
+    """A training checkpoint (or a draft of an older export) as a draft to ship, in the layout vLLM
+    and SGLang serve: the network in bf16 (half the bytes; training keeps fp32 for its optimizer),
+    and beside it the verification head, what it was trained with and the early-exit threshold
+    chosen for it (the recorded one unless given)."""
     target = load_model(resolve_model(target_name), dtype=torch.bfloat16)  # checks the draft matches it
     kind, net = load_draft(checkpoint, target)
-    extra = {"vat": read_config(checkpoint).get("vat", {})}
+    record = draft_record(checkpoint)
     if early_exit_threshold is not None:
-        extra["early_exit_threshold"] = early_exit_threshold
-    save_draft(net, out, target.args, extra)
+        record["early_exit_threshold"] = early_exit_threshold
+    save_draft(net, out, target.args, record)
     size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
     print(f"{kind} draft from {checkpoint} written to {out} (bf16, {size:.1f} MB)")
 

@@ -1,9 +1,22 @@
 """
 Drafts on disk: released EAGLE-3 and DFlash checkpoints load into eagle3.py's and dflash.py's
-networks exactly or not at all, drafts are saved in the same layouts, train_vat's checkpoints are
-directories of those, and build_draft turns a --draft spec into a draft ready to run beside its
-target. Every directory is written whole or not at all (files.py); no non-finite tensor is
-written or read.
+networks exactly or not at all, drafts are saved in the layouts vLLM and SGLang serve, train_vat's
+checkpoints are directories of those, and build_draft turns a --draft spec into a draft ready to
+run beside its target. Every directory is written whole or not at all (files.py); no non-finite
+tensor is written or read.
+
+A draft directory:
+
+    config.json, model.safetensors   the draft as the serving engines read it: exactly the tensors
+                                     their EAGLE-3 / DFlash loaders map to parameters, and the config
+                                     fields they read (tests/serving_layouts.py holds the mapping)
+    vat/head.safetensors             the verification head (verify_head.weight, verify_head.bias)
+    vat/config.json                  what VAT adds: objective, parts, step, target, and the
+                                     early-exit threshold chosen for the draft
+
+The serving loaders read the *.safetensors of the directory itself, never of a subfolder, and
+refuse (vLLM) or drop (SGLang) a tensor they have no parameter for: the head lives apart. A draft
+from an older export (its head inside model.safetensors, its record in config.json) still loads.
 """
 import json
 import os
@@ -23,8 +36,8 @@ from engine.files import (ROOT, directory_written_atomically, first_non_finite, 
                    write_atomically)
 from model import CheckpointError
 from tokenizer import load_tokenizer
-from engine.weights import (DEFAULT_TARGET, fuse_hf, load_model, read_config, read_safetensors, resolve_model,
-                     unfuse_to_hf)
+from engine.weights import (DEFAULT_TARGET, fuse_hf, load_model, read_config, read_safetensors,
+                            read_safetensors_file, resolve_model, unfuse_to_hf)
 
 # -----------------------------------------------------------------------------
 # Drafts: the released EAGLE-3 and DFlash layouts, both ways
@@ -90,12 +103,19 @@ def to_layer_outputs(layers) -> list:
     return [i - 1 for i in layers]
 
 
-def eagle3_layers_from_config(config: dict, n_target_layer: int) -> tuple:
-    """The fused target states: eagle_config.eagle_aux_hidden_state_layer_ids (read first, as
-    SpecForge does), the same key at the top level, or EAGLE-3's default."""
-    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
-        or config.get("eagle_aux_hidden_state_layer_ids")
-    return from_layer_outputs(ids) if ids else eagle3_target_layers(n_target_layer)
+def eagle3_layers_from_config(config: dict, n_target_layer: int, path: Path) -> tuple:
+    """The fused target states, named in two conventions: eagle_config's
+    eagle_aux_hidden_state_layer_ids name layer outputs (SpecForge, SGLang: hidden[j + 1]); the
+    same key at the top level names the states entering layers (vLLM: hidden[j]). Either, both
+    when they agree, or EAGLE-3's default (the same in both engines)."""
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    if nested and top and from_layer_outputs(nested) != tuple(top):
+        raise CheckpointError(f"draft {path}: eagle_config.eagle_aux_hidden_state_layer_ids {nested} (layer outputs) "
+                              f"and the top-level {top} (layer inputs) name different target states")
+    if nested:
+        return from_layer_outputs(nested)
+    return tuple(top) if top else eagle3_target_layers(n_target_layer)
 
 
 def dflash_settings(config: dict, n_draft_layer: int, path: Path):
@@ -145,7 +165,7 @@ def check_matches_target(path: Path, target: M.Transformer, target_dim: int, lay
 def warn_if_trained_for_another_target(path: Path, config: dict, target: M.Transformer):
     """A draft records the target it was trained for (train_vat's checkpoints do); one trained for
     another target of the same shape loads, but its guesses will rarely be kept: say so."""
-    recorded = (config.get("vat") or {}).get("target") or config.get("target")
+    recorded = draft_record(path).get("target") or config.get("target")
     source = target.source
     if not recorded or source is None:
         return
@@ -196,7 +216,7 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
     with torch.device("meta"):
         if kind == "eagle3":
             target_dim = config.get("target_hidden_size", target.args.dim)
-            layers = eagle3_layers_from_config(config, target.args.n_layer)
+            layers = eagle3_layers_from_config(config, target.args.n_layer, path)
             check_matches_target(path, target, target_dim, layers, None)
             net = Eagle3(args, target_dim, eagle3_draft_vocab(config, args.vocab_size, path), layers)
         else:
@@ -206,9 +226,7 @@ def load_draft(path, target: M.Transformer, dtype=None, device=None):
             net = DFlash(args, target.args.dim, layers, dflash_block(config, mask_id, target.args.vocab_size, path),
                          mask_id)
     expected = net.state_dict()
-    if "verify_head.weight" not in sd:  # released drafts have no verification head: start it neutral
-        sd["verify_head.weight"] = torch.zeros(1, args.dim)
-        sd["verify_head.bias"] = torch.full((1,), 10.0)  # sigmoid ~ 1: never triggers early exit
+    sd.update(verification_head(path, sd, args.dim))
     if kind == "eagle3" and "d2t" not in sd:  # a full-vocabulary draft
         sd["d2t"] = torch.zeros(expected["d2t"].shape, dtype=torch.long)
         sd["t2d"] = torch.ones(expected["t2d"].shape, dtype=torch.bool)
@@ -247,10 +265,10 @@ def check_draft_tensors(sd: dict, expected: dict, kind: str, vocab_size: int, pa
         raise CheckpointError(f"draft {path} holds non-finite values in {bad}: refusing to decode with it")
 
 
-def write_draft_files(net, folder: Path, target_args: M.ModelArgs, extra_config: dict | None = None,
+def write_draft_files(net, folder: Path, target_args: M.ModelArgs, record: dict | None = None,
                       dtype=torch.bfloat16):
-    """config.json and model.safetensors of a draft, in the released layout (HF names, unfused),
-    into an existing folder."""
+    """A draft directory's files (see the top of this file) into an existing folder: the draft in
+    the served layout (HF names, unfused), its head and `record` (what VAT adds) under vat/."""
     from safetensors.torch import save_file
     a = net.args
     config = {"hidden_size": a.dim, "intermediate_size": a.intermediate_size, "num_attention_heads": a.n_head,
@@ -260,30 +278,82 @@ def write_draft_files(net, folder: Path, target_args: M.ModelArgs, extra_config:
               "vocab_size": a.vocab_size, "tie_word_embeddings": False,
               "torch_dtype": str(dtype).replace("torch.", "")}
     if isinstance(net, Eagle3):
+        # the fused layers in both engines' conventions (eagle3_layers_from_config): SGLang reads
+        # eagle_config's (layer outputs), vLLM the top level's first (layer inputs)
         config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                       draft_vocab_size=net.lm_head.out_features, target_hidden_size=target_args.dim,
-                      eagle_config={"eagle_aux_hidden_state_layer_ids": to_layer_outputs(net.target_layers)})
+                      eagle_aux_hidden_state_layer_ids=list(net.target_layers),
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": to_layer_outputs(net.target_layers),
+                                    "use_aux_hidden_state": True})
     else:
         config.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=net.block_size,
                       num_target_layers=target_args.n_layer, target_hidden_size=target_args.dim,
                       dflash_config={"target_layer_ids": to_layer_outputs(net.target_layers),
                                      "mask_token_id": net.mask_token_id})
-    config.update(extra_config or {})
     bad = first_non_finite(net.state_dict())
     if bad:
         raise ValueError(f"the draft's {bad} holds non-finite values: refusing to save it")
     sd = unfuse_to_hf({k: v.detach().cpu() for k, v in net.state_dict().items()}, a)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
+    head = {k: sd.pop(k) for k in HEAD_TENSORS}
     save_file(sd, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / VAT_DIR).mkdir()
+    save_file(head, str(folder / VAT_DIR / "head.safetensors"))
+    (folder / VAT_DIR / "config.json").write_text(json.dumps(record or {}, indent=2))
 
 
-def save_draft(net, path, target_args: M.ModelArgs, extra_config: dict | None = None, dtype=torch.bfloat16):
+def save_draft(net, path, target_args: M.ModelArgs, record: dict | None = None, dtype=torch.bfloat16):
     """Write a draft directory atomically: a temporary directory, renamed into place once whole."""
     path = Path(path)
     with directory_written_atomically(path) as tmp:
-        write_draft_files(net, tmp, target_args, extra_config, dtype)
+        write_draft_files(net, tmp, target_args, record, dtype)
     return path
+
+
+# -----------------------------------------------------------------------------
+# What VAT adds, beside the served draft: the verification head and the record
+
+VAT_DIR = "vat"
+HEAD_TENSORS = ("verify_head.weight", "verify_head.bias")
+REEXPORT = "python train_vat.py --export DIR NEW_DIR writes it again whole"
+
+
+def draft_record(path: Path) -> dict:
+    """What a draft directory records beside its weights (objective, vat_parts, step, target,
+    early_exit_threshold): vat/config.json, or an older export's config.json keys; {} for a released draft."""
+    path = Path(path)
+    if (path / VAT_DIR / "config.json").is_file():
+        return read_config(path / VAT_DIR)
+    config = read_config(path)
+    older = dict(config.get("vat") or {})
+    if "early_exit_threshold" in config:
+        older["early_exit_threshold"] = config["early_exit_threshold"]
+    return older
+
+
+def verification_head(path: Path, sd: dict, dim: int) -> dict:
+    """The head's tensors: vat/head.safetensors, an older export's (inside model.safetensors, taken
+    out of sd), or, for a released draft that has none, a neutral head that never exits early."""
+    head_file, record_file = path / VAT_DIR / "head.safetensors", path / VAT_DIR / "config.json"
+    inside = {k: sd.pop(k) for k in HEAD_TENSORS if k in sd}
+    if head_file.is_file():
+        if inside:
+            raise CheckpointError(f"draft {path} holds two verification heads (model.safetensors and {head_file}): "
+                                  f"{REEXPORT}")
+        with open(head_file, "rb") as f:
+            head = read_safetensors_file(f, head_file, None, None)
+        missing = [k for k in HEAD_TENSORS if k not in head]
+        if missing or len(head) != len(HEAD_TENSORS):
+            raise CheckpointError(f"draft {path}: {head_file} must hold exactly {', '.join(HEAD_TENSORS)}")
+        return head
+    if record_file.is_file():
+        raise CheckpointError(f"draft {path}: {head_file} is missing beside {record_file} (copy the whole draft "
+                              f"directory, or {REEXPORT})")
+    if inside:
+        return inside
+    return {"verify_head.weight": torch.zeros(1, dim),
+            "verify_head.bias": torch.full((1,), 10.0)}  # sigmoid ~ 1: never triggers early exit
 
 
 # -----------------------------------------------------------------------------
@@ -305,7 +375,7 @@ def save_checkpoint(out: Path, net, target_args, step: int, opt, log: list, vat_
     """Write step-NNNNNN and point `checkpoint` at it; older ones are removed but the newest
     KEEP_CHECKPOINTS and, with keep_every, those at its multiples (a learning curve's points)."""
     with directory_written_atomically(out / f"step-{step:06d}") as tmp:
-        write_draft_files(net, tmp, target_args, {"vat": {**vat_info, "step": step}}, dtype=torch.float32)
+        write_draft_files(net, tmp, target_args, {**vat_info, "step": step}, dtype=torch.float32)
         # (the batch order needs no state: a resumed run replays it from the seed)
         torch.save({"step": step, "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()},
                    tmp / "train_state.pt")
@@ -329,7 +399,7 @@ def latest_checkpoint(out: Path, target):
         try:
             _, net = load_draft(folder, target, dtype=torch.float32)
             state = torch.load(folder / "train_state.pt", weights_only=True)
-            step = read_config(folder)["vat"]["step"]
+            step = draft_record(folder)["step"]
             if not state["step"] == step == checkpoint_step(folder):
                 raise ValueError(f"steps disagree: folder {folder.name}, weights {step}, "
                                  f"state {state['step']}")
@@ -366,7 +436,7 @@ def read_log(path: Path) -> list:
     return out
 
 
-# A bare --early-exit takes the threshold a draft's config.json records (`early_exit_threshold`,
+# A bare --early-exit takes the threshold a draft records (vat/config.json's `early_exit_threshold`,
 # chosen on training questions for the committed drafts), else this one. The VAT paper's 0.5
 # (EAGLE-3) and 0.6 (DFlash) suit drafts whose head is confident; ours, trained on a CPU, are not,
 # and at 0.5 they draft almost nothing.
@@ -375,9 +445,9 @@ EARLY_EXIT_DEFAULT = 0.1
 
 def recorded_threshold(path: Path) -> float:
     """The early-exit threshold a draft's config.json records, checked as the command line's is."""
-    value = read_config(path).get("early_exit_threshold", EARLY_EXIT_DEFAULT)
+    value = draft_record(path).get("early_exit_threshold", EARLY_EXIT_DEFAULT)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise CheckpointError(f"{path / 'config.json'}: early_exit_threshold must be a number in [0, 1], "
+        raise CheckpointError(f"draft {path}: early_exit_threshold must be a number in [0, 1], "
                               f"got {value!r}")
     return float(value)
 

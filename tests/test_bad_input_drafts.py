@@ -36,14 +36,57 @@ def test_non_finite_drafts_are_neither_saved_nor_loaded(tmp_path, tiny_dir):
 def test_a_draft_trained_for_another_target_loads_with_a_warning(tmp_path, tiny_dir, capsys):
     target = WT.load_model(tiny_dir("qwen3_untied"))
     net = eagle3_net(target)
-    save_draft(net, tmp_path / "other", target.args, {"vat": {"target": str(tiny_dir("llama3"))}})
-    save_draft(net, tmp_path / "own", target.args, {"vat": {"target": str(tiny_dir("qwen3_untied"))}})
+    save_draft(net, tmp_path / "other", target.args, {"target": str(tiny_dir("llama3"))})
+    save_draft(net, tmp_path / "own", target.args, {"target": str(tiny_dir("qwen3_untied"))})
     capsys.readouterr()
     load_draft(tmp_path / "own", target)
     assert capsys.readouterr().err == ""
     load_draft(tmp_path / "other", target)
     err = capsys.readouterr().err
     assert "warning" in err and str(tiny_dir("llama3")) in err and str(tiny_dir("qwen3_untied")) in err
+
+
+def test_a_draft_folder_with_a_bad_head_is_one_line_and_an_older_export_still_loads(tmp_path, tiny_dir):
+    """The head lives in vat/head.safetensors, beside the served weights: missing (with the record
+    that says there is one), cut short, or shaped for another target, the folder is refused in
+    one line; a draft of the older layout (its head inside model.safetensors, its record in
+    config.json) loads with the same head and threshold."""
+    from safetensors.torch import load_file, save_file
+    target = WT.load_model(tiny_dir("qwen3_untied"))
+    net = eagle3_net(target)
+    with torch.no_grad():
+        net.verify_head.bias.fill_(-1.5)
+    good = save_draft(net, tmp_path / "good", target.args, {"objective": "vat", "early_exit_threshold": 0.3},
+                      dtype=torch.float32)
+    import shutil
+    for name, spoil, message in [
+            ("missing", lambda d: (d / "vat" / "head.safetensors").unlink(), "head.safetensors is missing beside"),
+            ("cut", lambda d: (d / "vat" / "head.safetensors").write_bytes(
+                (d / "vat" / "head.safetensors").read_bytes()[:-3]), "corrupt safetensors file"),
+            ("other", lambda d: save_file({"verify_head.weight": torch.zeros(1, target.args.dim + 8),
+                                           "verify_head.bias": torch.zeros(1)}, str(d / "vat" / "head.safetensors")),
+             "verify_head.weight .* has shape"),
+            ("nan", lambda d: save_file({"verify_head.weight": torch.full((1, target.args.dim), float("nan")),
+                                         "verify_head.bias": torch.zeros(1)}, str(d / "vat" / "head.safetensors")),
+             "non-finite")]:
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        spoil(folder)
+        with pytest.raises(M.CheckpointError, match=message) as e:
+            load_draft(folder, target)
+        assert "\n" not in str(e.value)
+    # the older layout: one folder, head inside model.safetensors, record in config.json
+    older = tmp_path / "older"
+    shutil.copytree(good, older)
+    tensors = {**load_file(older / "model.safetensors"), **load_file(older / "vat" / "head.safetensors")}
+    save_file(tensors, str(older / "model.safetensors"))
+    config = json.loads((older / "config.json").read_text())
+    config.update(vat={"objective": "vat"}, early_exit_threshold=0.3)
+    (older / "config.json").write_text(json.dumps(config))
+    shutil.rmtree(older / "vat")
+    _, loaded = load_draft(older, target)
+    assert torch.equal(loaded.verify_head.bias, net.verify_head.bias)
+    assert CK.recorded_threshold(older) == CK.recorded_threshold(good) == 0.3
 
 
 @pytest.fixture
@@ -84,9 +127,12 @@ def test_draft_configs_out_of_range_are_refused(tiny_drafts):
 @pytest.mark.parametrize("threshold", [5, "abc", -0.1])
 def test_a_recorded_early_exit_threshold_is_checked_like_the_command_lines(tiny_drafts, threshold):
     target, eagle, _ = tiny_drafts
-    edit_config(eagle, early_exit_threshold=threshold)
+    edit_config(eagle / "vat", early_exit_threshold=threshold)  # (what VAT adds lives in vat/config.json)
     with pytest.raises(M.CheckpointError, match=r"early_exit_threshold must be a number in \[0, 1\]"):
         CK.build_draft(str(eagle), target, None, early_exit="auto")
+    (eagle / "vat" / "config.json").write_text("[]")
+    with pytest.raises(M.CheckpointError, match="holds a list, not a JSON object"):
+        load_draft(eagle, target)
 
 
 def test_int4_knows_which_models_it_can_take(tmp_path):

@@ -47,8 +47,10 @@ def test_eagle3_release_layout_round_trips(target, tmp_path, fmt):
     save_draft(loaded, tmp_path / "ours", target.args, dtype=torch.float32)
     _, again = load_draft(tmp_path / "ours", target)
     from safetensors import safe_open
-    with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as f:
-        assert "midlayer.self_attn.k_proj.weight" in f.keys() and "verify_head.weight" in f.keys()
+    with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as f:  # the head apart, under vat/
+        assert "midlayer.self_attn.k_proj.weight" in f.keys() and "verify_head.weight" not in f.keys()
+    with safe_open(str(tmp_path / "ours" / "vat" / "head.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["verify_head.bias", "verify_head.weight"]
     layers = eagle3_target_layers(target.args.n_layer)
     prompt = [5, 6, 7, 8, 9, 10]
     feats = features(target, torch.tensor([prompt[:-1]]), layers)[0]
@@ -88,13 +90,15 @@ def test_eagle3_checkpoint_that_would_run_wrong_is_refused(target, tmp_path, cha
         load_draft(path, target)
 
 
-@pytest.mark.parametrize("where", ["eagle_config", "top"])
+@pytest.mark.parametrize("where", ["eagle_config", "top", "both"])
 def test_eagle3_reads_the_layer_ids_its_config_names(target, tmp_path, where):
+    """eagle_config's ids name layer outputs (SpecForge, SGLang add 1), the top level's the states
+    entering layers (vLLM reads them as they are): hidden[1..3] either way."""
     path = tmp_path / "released"
-    net = released_eagle3(path, target, "safetensors")
-    ids = [0, 1, 2]  # outputs of layers 0..2, i.e. hidden[1..3]; the default would be (2, 1, 0)
-    edit_checkpoint(path, lambda c: c.update({"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}} if
-                                             where == "eagle_config" else {"eagle_aux_hidden_state_layer_ids": ids}))
+    net = released_eagle3(path, target, "safetensors")  # the default would be hidden (2, 1, 0)
+    nested, top = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}, \
+        {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
+    edit_checkpoint(path, lambda c: c.update({"eagle_config": nested, "top": top, "both": {**nested, **top}}[where]))
     _, loaded = load_draft(path, target)
     assert loaded.target_layers == (1, 2, 3) != net.target_layers
     drafter = Eagle3Draft(loaded, target.embed_tokens, 128)
@@ -104,6 +108,15 @@ def test_eagle3_reads_the_layer_ids_its_config_names(target, tmp_path, where):
     assert generate(target, prompt, drafter, Verifier("greedy"), k=3, max_new_tokens=12)["tokens"] == plain["tokens"]
     save_draft(loaded, tmp_path / "again", target.args, dtype=torch.float32)  # and it is written back
     assert load_draft(tmp_path / "again", target)[1].target_layers == (1, 2, 3)
+
+
+def test_eagle3_layer_ids_that_disagree_are_refused(target, tmp_path):
+    path = tmp_path / "released"
+    released_eagle3(path, target, "safetensors")
+    edit_checkpoint(path, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2],  # hidden[0..2]
+                                             eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))  # [1..3]
+    with pytest.raises(M.CheckpointError, match="name different target states"):
+        load_draft(path, target)
 
 
 def test_eagle3_drafts_from_a_one_token_prompt(target):

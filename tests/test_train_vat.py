@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+import serving_layouts as SL
 import torch
 from conftest import dflash_net, eagle3_net, tiny_chat_target
 from test_corpus import corpus_recipe
@@ -193,7 +195,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     assert sorted((tmp_path / "cache").glob("corpus-*/shard-*.pt" if kind == "eagle3" else "responses-*.pt")) \
         == sorted(cache)
     found, net = load_draft(tmp_path / "run" / "checkpoint", WT.load_model(tmp_path / "target"))
-    assert found == kind and json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())["vat"]["step"] == 4
+    assert found == kind and json.loads((tmp_path / "run" / "checkpoint" / "vat" / "config.json").read_text())["step"] == 4
     # the record of the run: its curve as logged, what it trained, the machine; refused for a non-run
     TV.main(["--learning-curves", str(tmp_path / "curves.json"), "--runs", str(tmp_path / "run")])
     record = json.loads((tmp_path / "curves.json").read_text())
@@ -207,25 +209,47 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
                  str(tmp_path / "run")])
     with pytest.raises(ValueError, match="not a train_vat.py --out directory"):
         TV.main(["--learning-curves", str(tmp_path / "curves.json"), "--runs", str(tmp_path / "cache")])
-    # shipping it: bf16 tensors equal to the checkpoint's rounded, what it trained, the threshold
+    # shipping it: bf16 tensors equal to the checkpoint's rounded, what it trained, the threshold,
+    # in the layout vLLM and SGLang load unchanged (their loaders' mapping: serving_layouts.py)
     shipped = tmp_path / "shipped"
     TV.main(["--export", str(tmp_path / "run" / "checkpoint"), str(shipped), "--target", str(tmp_path / "target"),
              "--early-exit-threshold", "0.2"])
-    config = json.loads((shipped / "config.json").read_text())
-    assert config["torch_dtype"] == "bfloat16" and config["early_exit_threshold"] == 0.2
-    assert config["vat"]["step"] == 4 and not (shipped / "train_state.pt").exists()
+    config, record = (json.loads((shipped / f).read_text()) for f in ("config.json", "vat/config.json"))
+    assert config["torch_dtype"] == "bfloat16" and record["early_exit_threshold"] == 0.2
+    assert record["step"] == 4 and not (shipped / "train_state.pt").exists()
+    target_layers = load_draft(shipped, WT.load_model(tmp_path / "target"))[1].target_layers
+    for engine in SL.ENGINES:
+        assert SL.served_problems(shipped, engine) == [], engine
+        assert SL.engine_aux_layers(engine, shipped, WT.read_config(tmp_path / "target")["num_hidden_layers"]) \
+            == target_layers, engine
+    assert sorted(p.name for p in shipped.glob("*.safetensors")) == ["model.safetensors"]
     bf16_target = WT.load_model(tmp_path / "target", dtype=torch.bfloat16)
     _, trained = load_draft(tmp_path / "run" / "checkpoint", bf16_target)
     found, exported = load_draft(shipped, bf16_target)
     assert found == kind
     for (name, a), (_, b) in zip(trained.state_dict().items(), exported.state_dict().items()):
         assert torch.equal(a, b), name
+    # round trip: decoding with the shipped draft, head and early exit included, is decoding with
+    # the checkpoint's draft (in bf16): the same tokens, drafts, declines and forwards
+    bf16_target.setup_caches(1, 256)
+    tokenizer = load_tokenizer(tmp_path / "target")
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "question 3 about numbers"}])
+    fields = ("tokens", "target_forwards", "drafted_tokens", "declined_tokens", "accepted_per_position")
+    drafted = declined = 0
+    for threshold in (0.2, 0.35, 0.5):  # thresholds at which the head lets more or fewer drafts through
+        before, after = (generate(bf16_target, prompt, CK.build_draft(str(folder), bf16_target, tokenizer,
+                                                                    early_exit=threshold),
+                                  Verifier("greedy"), k=3, max_new_tokens=24, stop_ids=tokenizer.stop_ids)
+                         for folder in (tmp_path / "run" / "checkpoint", shipped))
+        assert {f: before[f] for f in fields} == {f: after[f] for f in fields}, threshold
+        drafted, declined = drafted + after["drafted_tokens"], declined + after["declined_tokens"]
+    assert drafted > 0 and declined > 0  # both of the head's decisions were taken
     with pytest.raises(SystemExit):  # an export never overwrites a draft
         TV.get_args(["--export", str(tmp_path / "run" / "checkpoint"), str(shipped)])
     # a baseline run's checkpoint written when every part was recorded for it reads as training none
-    written = tmp_path / "run" / "checkpoint" / "config.json"
+    written = tmp_path / "run" / "checkpoint" / "vat" / "config.json"
     config = json.loads(written.read_text())
-    config["vat"].update(objective="baseline", vat_parts=list(TV.VAT_PARTS))
+    config.update(objective="baseline", vat_parts=list(TV.VAT_PARTS))
     written.write_text(json.dumps(config))
     assert TV.learning_curves([tmp_path / "run"])["run"]["vat_parts"] == []
 
