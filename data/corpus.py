@@ -408,8 +408,10 @@ def shard_problem(path: Path) -> str | None:
 
 
 class Corpus:
-    """The first n_shards shards of a corpus folder as flat tensors (all of them by default);
-    sequence i is rows offsets[i]:offsets[i+1]."""
+    """The first n_shards shards of a corpus folder (all of them by default); sequence i is rows
+    offsets[i]:offsets[i+1]. The small columns are joined in memory; the states (features, final:
+    nearly all of a corpus's bytes) stay in their mapped shard files, read a sequence at a time
+    (rows), so a corpus larger than memory trains."""
 
     def __init__(self, folder: Path, n_shards: int | None = None):
         files = sorted(folder.glob("shard-*.pt"))[:n_shards]
@@ -426,14 +428,28 @@ class Corpus:
                 raise ValueError(f"corpus shard {f} holds non-finite {bad}; delete it and rerun to generate it "
                                  f"again")
         self.layers = tuple(shards[0]["layers"].tolist())
-        for name in ("tokens", "features", "final", "lse", "argmax", "lengths", "starts", "prompt_index"):
+        for name in ("tokens", "lse", "argmax", "lengths", "starts", "prompt_index"):
             setattr(self, name, torch.cat([s[name] for s in shards]))
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), self.lengths.cumsum(0)])
+        self.states = {name: [s[name] for s in shards] for name in self.STATES}  # mapped, per shard
+        shard_rows = torch.tensor([len(s["tokens"]) for s in shards])
+        self.shard_start = torch.cat([torch.zeros(1, dtype=torch.long), shard_rows.cumsum(0)])  # first row of each
+        self.widths = {name: shards[0][name].shape[1] for name in self.STATES}
         texts = json.loads((folder / "prompts.json").read_text())
         self.texts = [texts[i] for i in self.prompt_index.tolist()]
 
+    STATES = ("features", "final")
+
     def __len__(self):
         return len(self.lengths)
+
+    def rows(self, name: str, lo: int, n: int) -> torch.Tensor:
+        """Rows lo:lo+n of a column; a sequence never spans two shards."""
+        if name not in self.STATES:
+            return getattr(self, name)[lo:lo + n]
+        shard = int(torch.searchsorted(self.shard_start, lo, right=True)) - 1
+        first = lo - int(self.shard_start[shard])
+        return self.states[name][shard][first:first + n]
 
     def sequence(self, i: int) -> tuple:
         """(ids, response start, prompt text): the layout build_dataset gives."""
@@ -476,13 +492,13 @@ def corpus_batches(corpus: Corpus, indices: list, tokens_per_batch: int, seq_len
             T = min(seq_len, max(int(corpus.lengths[i]) for i in group))
             B = len(group)
             out = {"tokens": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T),
-                   "features": torch.zeros(B, T, corpus.features.shape[1], dtype=torch.float16),
-                   "final": torch.zeros(B, T, corpus.final.shape[1], dtype=torch.float16),
+                   "features": torch.zeros(B, T, corpus.widths["features"], dtype=torch.float16),
+                   "final": torch.zeros(B, T, corpus.widths["final"], dtype=torch.float16),
                    "lse": torch.zeros(B, T), "argmax": torch.zeros(B, T, dtype=torch.long)}
             for b, i in enumerate(group):
                 lo = int(corpus.offsets[i])
                 n = min(T, int(corpus.lengths[i]))
                 for name in ("tokens", "features", "final", "lse", "argmax"):
-                    out[name][b, :n] = getattr(corpus, name)[lo:lo + n]
+                    out[name][b, :n] = corpus.rows(name, lo, n)
                 out["mask"][b, int(corpus.starts[i]):n] = 1
             yield out["tokens"], out["mask"], out["features"], out["final"], out["lse"], out["argmax"]
