@@ -6,9 +6,10 @@ Verification-Aware Training (VAT) of EAGLE-3 and DFlash drafts, and their plain 
     python train_vat.py --objective baseline                   # the plain EAGLE-3 / DFlash loss, same budget
 
 1. Data (corpus.py). Prompts from jsonl files (Spec-Bench/MT-bench `turns`, ShareGPT `conversations`, Alpaca
-   `instruction`, GSM8K `question`) or written by the target itself from the bare chat-template
-   prefix (Magpie). The target regenerates every response (greedy by default), so the draft learns
-   the target's own distribution; responses are cached on disk and reused by later runs.
+   `instruction`, GSM8K `question`), from the ShareGPT package (--data sharegpt), or written by the
+   target itself from the bare chat-template prefix (Magpie). The target regenerates every response
+   (greedy by default), so the draft learns the target's own distribution; responses are cached on
+   disk and reused by later runs. With ShareGPT, --responses dataset trains on its own replies.
 2. Target features: on a CPU, captured while the target generates and kept on disk with its
    log-probability normalizer (corpus.py), so training never runs the target; on a GPU,
    computed on the fly batch by batch (storing them costs hundreds of GB for an 8B target).
