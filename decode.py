@@ -62,7 +62,8 @@ def add_speculation_args(ap):
                         f"(bare flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT})")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="draft each step the length (with --tree: EAGLE-3's tree size, T = 0) that pays, from "
-                        "recent acceptance and what a block costs here; none: a plain step. Default: on with lookup")
+                        "recent acceptance and what a block costs here; none: a plain step. Default: on for chains "
+                        "(any draft, any verifier), off with --tree; --no-adaptive drafts -k tokens every step")
     g.add_argument("--tree", type=int, default=0, metavar="N",
                    help="draft a tree of at most N tokens (depth at most -k), verified in one forward: EAGLE-2's "
                         "dynamic tree for EAGLE-3, several matches for lookup. 0 (default): chains")
@@ -169,8 +170,8 @@ def check_and_complete(ap, args):
     if args.tree and wants_compile(args.compile, args.device) and args.device != "cpu":
         ap.error("--tree needs --compile off on CUDA: a compiled step there has one static graph per block shape, "
                  "and every tree has a shape of its own")
-    if args.adaptive is None:
-        args.adaptive = args.draft == "lookup" and not args.tree
+    if args.adaptive is None:  # every draft's chain: a draft that does not pay here then costs only its probes
+        args.adaptive = not args.tree
 
 
 def make_verifier(name: str, temperature: float, **params) -> Verifier:

@@ -175,10 +175,14 @@ def test_default_target_in_coarse_layouts_decodes_exactly_like_itself(smollm2_di
 
 def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
     from engine.checkpoints import DEFAULT_DRAFTS
+    from verify import VERIFIERS
     from decode import get_args
     a = get_args([])
     assert (a.draft, a.verifier, a.temperature, a.adaptive) == ("lookup", "greedy", 0.0, True)
-    assert not get_args(["--no-adaptive"]).adaptive and not get_args(["--draft", "drafts/x"]).adaptive
+    assert not get_args(["--no-adaptive"]).adaptive and not get_args(["--draft", "lookup", "--tree", "4"]).adaptive
+    for verifier in VERIFIERS:  # any draft, any verifier: adaptive chains
+        assert get_args(["--draft", DEFAULT_DRAFTS["smollm2-135m"].name, "--verifier", verifier]).adaptive
+    capsys.readouterr()  # (the lossy verifiers' notes on the temperature they default to)
     a = get_args(["--temperature", "1"])
     assert (a.draft, a.verifier) == ("lookup", "lossless")  # exact, and ahead of plain sampling in the report
     assert get_args(["--temperature", "1", "--verifier", "none"]).draft is None
@@ -420,3 +424,14 @@ def test_every_command_line_prints_plain_decodings_tokens(argv, plain_default, c
     assert result["layout"] == plain_default["layout"]
     assert result["tokens"] == plain_default["tokens"], result["text"]
     assert result["target_forwards"] <= plain_default["target_forwards"]
+
+
+def test_a_trained_draft_drafts_adaptively_by_default(plain_default, capsys):
+    """Any draft's chain is adaptive unless --no-adaptive: the same tokens as plain decoding, and a
+    draft that is seldom kept (the general draft on this list prompt) drafts far less than the -k
+    tokens a step it drafts with a fixed k."""
+    fixed = decode_json(["--draft", "drafts/smollm2-135m-eagle3-vat", "--no-adaptive"], capsys)
+    default = decode_json(["--draft", "drafts/smollm2-135m-eagle3-vat"], capsys)
+    assert default["tokens"] == fixed["tokens"] == plain_default["tokens"]
+    assert fixed["drafted_tokens"] == fixed["k"] * fixed["target_forwards"] - fixed["declined_tokens"]
+    assert default["drafted_tokens"] < fixed["drafted_tokens"] / 2, (default, fixed)
