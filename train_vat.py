@@ -494,7 +494,7 @@ def train(args, model, net, target, opt, step: int, log: list, stream, tokenizer
 # -----------------------------------------------------------------------------
 # The record of finished runs: each one's learning curve, with what it trained
 
-CURVE_FIELDS = ("step", "loss", "sim_tau", "head_acc", "weighting_changes", "real_tau")
+CURVE_FIELDS = ("step", "loss", "sim_tau", "head_acc", "weighting_changes", "real_tau", "response_tokens")
 
 
 def learning_curves(run_dirs: list) -> dict:
@@ -522,11 +522,38 @@ def write_learning_curves(out: Path, run_dirs: list, argv=None):
     command = "python train_vat.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     runs = learning_curves(run_dirs)
     write_results(out, {"command": command, "machine": machine_stamp("cpu"), "runs": runs})
+    plot_learning_curves(runs, out.with_suffix(".png"))
     for name, run in runs.items():
         curve = run["curve"]
         evaluated = [(tau, step) for tau, step in zip(curve.get("real_tau", []), curve["step"]) if tau is not None]
         print(f"{name}: {run['draft']} {run['objective']}, {curve['step'][-1]} steps, real tau "
               + " ".join(f"{tau:.2f}@{step}" for tau, step in evaluated))
+
+
+def plot_learning_curves(runs: dict, path: Path):
+    """Real tau (held-out prompts, at each evaluation) against the response tokens trained on so far."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from harness.results import save_figure
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, run in runs.items():
+        curve = run["curve"]
+        seen, points = 0, []
+        for tokens, tau in zip(curve.get("response_tokens", [None] * len(curve["step"])), curve.get("real_tau", [])):
+            seen += tokens or 0
+            if tau is not None:
+                points.append((seen, tau))
+        if points and seen:
+            ax.plot(*zip(*points), marker="o", ms=3, label=f"{name} ({run['draft']}, {run['objective']})")
+    ax.set_xscale("log")
+    ax.set_xlabel("response tokens trained on (log scale)")
+    ax.set_ylabel("real tau, held-out prompts (T = 0)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
 
 
 def export_draft(checkpoint: Path, out: Path, target_name: str, early_exit_threshold: float | None):

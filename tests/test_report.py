@@ -95,3 +95,33 @@ def test_docs_is_an_index_of_experiments_whose_pages_name_every_file():
     index = (ROOT / "docs" / "README.md").read_text()
     for folder in (p for p in (ROOT / "docs").iterdir() if p.is_dir()):
         assert f"({folder.name}/README.md)" in index, f"docs/README.md does not list {folder.name}"
+
+
+def test_the_commands_experiment_divides_by_plain_decoding_prompt_by_prompt(monkeypatch, tmp_path):
+    """experiments/commands.py: each row's ratio is to the plain row of its temperature on the same
+    prompt, a T = 0 row counts the prompts on which it printed plain decoding's tokens, and the
+    tables render from the results file alone."""
+    import commands as CM
+    old, new = "drafts/smollm2-135m-eagle3-vat", "drafts/smollm2-135m-eagle3-gsm8k"
+    rows = CM.rows(old, new)
+    assert rows[:2] == [(CM.PLAIN[0], 0), (CM.PLAIN[1], 1)]
+    speeds = {0: [50.0, 40.0], 1: [60.0, 30.0]}
+
+    def fake_run(command, prompt, seed, max_new_tokens):  # plain at its temperature's speed; drafts 1.5x
+        t = dict(rows)[command]
+        i = 0 if prompt == "first" else 1
+        plain = command == CM.PLAIN[t]
+        tokens = [1, 2, 3] if t == 0 and (plain or i == 0) else [seed, 9]
+        return {"tokens": tokens, "tokens_per_s": speeds[t][i] * (1 if plain else 1.5), "tau": 1.0 if plain else 2.0,
+                "new_tokens": len(tokens), "drafted_tokens": 0}
+    monkeypatch.setattr(CM, "run_once", fake_run)
+    monkeypatch.setattr(CM, "load_prompts", lambda *a: [("writing", "first"), ("math", "second")])
+    out = tmp_path / "commands.json"
+    CM.main(["--old", old, "--new", new, "--out", str(out)])
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert summary[CM.PLAIN[1]]["median_ratio"] == 1.0
+    assert summary["decode.py --verifier overshoot"]["ratios"] == [1.5, 1.5]
+    assert summary[f"decode.py --draft {new}"]["exact_prompts"] == 1  # the second prompt's tokens differ
+    table = CM.render(result)
+    assert "| writing | 2.00 / 2.00 |" in table and "| 1.50x / 1.50x |" in table

@@ -202,6 +202,8 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     run = record["runs"]["run"]
     assert run["draft"] == kind and run["objective"] == "vat" and "cpu" in record["machine"]
     assert run["curve"]["step"] == [1, 2, 3, 4] and run["curve"]["real_tau"][1] is not None
+    assert run["curve"]["response_tokens"] == [s["response_tokens"] for s in log]  # the plot's x axis
+    assert (tmp_path / "curves.png").stat().st_size > 0
     from harness.results import rounded
     assert run["curve"]["real_tau"] == rounded([s.get("real_tau") for s in log])  # (5 significant digits)
     with pytest.raises(ValueError, match="two runs named run"):
