@@ -67,20 +67,28 @@ def read_prompt_files(paths, limit=None) -> list:
     return prompts[:limit] if limit else prompts
 
 
+def left_padded(target, sequences: list) -> tuple:
+    """Sequences of different lengths as one batch aligned at their ends: tokens (B, P) and the
+    key mask (B, max_seq_len) that hides each row's padding (cache slots past P stay visible)."""
+    B, P = len(sequences), max(len(s) for s in sequences)
+    device = target.embed_tokens.weight.device
+    tokens = torch.zeros(B, P, dtype=torch.long, device=device)
+    key_valid = torch.zeros(B, target.max_seq_len, dtype=torch.bool, device=device)
+    for b, ids in enumerate(sequences):
+        tokens[b, P - len(ids):] = torch.tensor(ids)
+        key_valid[b, P - len(ids):] = True
+    key_valid[:, P:] = True
+    return tokens, key_valid
+
+
 @torch.no_grad()
 def batch_generate(target, prompts_ids: list, max_new_tokens: int, stop_ids, temperature=0.0, generator=None,
                    capture_layers=None):
     """Left-padded batched sampling (greedy by default): one weight read serves the whole batch.
     With capture_layers, also what training needs from the target at every token it reads (see
     the corpus section below): a list of per-sequence dicts of rows, one row per token of prompt + response."""
-    B, P = len(prompts_ids), max(len(p) for p in prompts_ids)
-    device = target.embed_tokens.weight.device
-    tokens = torch.zeros(B, P, dtype=torch.long, device=device)
-    key_valid = torch.zeros(B, target.max_seq_len, dtype=torch.bool, device=device)
-    for b, ids in enumerate(prompts_ids):
-        tokens[b, P - len(ids):] = torch.tensor(ids)
-        key_valid[b, P - len(ids):] = True
-    key_valid[:, P:] = True
+    tokens, key_valid = left_padded(target, prompts_ids)
+    (B, P), device = tokens.shape, tokens.device
     wanted = () if capture_layers is None else tuple(capture_layers) + (target.args.n_layer,)
     logits, hidden = target(tokens, torch.arange(P, device=device), key_valid=key_valid,
                             last_logits_only=True, hidden_layers=wanted)
@@ -357,13 +365,8 @@ def read_responses(target, prompts_ids: list, responses_ids: list, layers) -> li
     """What batch_generate captures, for responses given rather than generated: one left-padded
     forward over prompt + response reads every token (rows as batch_generate's, the last token's zero)."""
     sequences = [p + r for p, r in zip(prompts_ids, responses_ids)]
-    B, P = len(sequences), max(len(s) for s in sequences)
-    device = target.embed_tokens.weight.device
-    tokens = torch.zeros(B, P, dtype=torch.long, device=device)
-    key_valid = torch.zeros(B, target.max_seq_len, dtype=torch.bool, device=device)
-    for b, ids in enumerate(sequences):
-        tokens[b, P - len(ids):] = torch.tensor(ids)
-        key_valid[b, P - len(ids):] = True
+    tokens, key_valid = left_padded(target, sequences)
+    P, device = tokens.shape[1], tokens.device
     wanted = tuple(layers) + (target.args.n_layer,)
     _, hidden = target(tokens, torch.arange(P, device=device), key_valid=key_valid, last_logits_only=True,
                        hidden_layers=wanted)
