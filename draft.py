@@ -270,13 +270,16 @@ class AdaptiveDraft(Draft):
     machine at this context length (layouts.block_cost_model), plus the draft's own time. n = 0 is
     a plain decoding step: where no length pays, the run decodes plainly. It keeps learning
     whether drafting pays again: a free draft (prompt lookup) is watched, its proposals compared
-    with the tokens plain decoding commits, at no cost; any other drafts one token after 1, 2, 4
-    ... 16 plain steps. cost None (a GPU, where a block costs about a step) counts every block as
+    with the tokens plain decoding commits, at no cost; any other drafts one token after 4, 8, 16
+    and then every 32 plain steps. cost None (a GPU, where a block costs about a step) counts every block as
     one step. The draft still sees every commit. Trees are sized by the same rule (propose_tree).
     clock: the caller's (a callable giving seconds), with which the draft's own time is learned;
     without one the draft is taken to cost nothing."""
 
-    MAX_PAUSE = 16
+    # plain steps between one-token probes of a draft that does not pay, doubling from FIRST_PAUSE
+    # to MAX_PAUSE: a probe costs a block of two tokens and a draft forward, and a draft that
+    # never pays costs its probes over a run (a few in a short answer)
+    FIRST_PAUSE, MAX_PAUSE = 4, 32
     # what a drafting step must gain over a plain one: its own work (the proposal, the verifier,
     # the bookkeeping) is not in the block table, and the estimate of a is noisy
     MARGIN = 1.04
@@ -305,7 +308,7 @@ class AdaptiveDraft(Draft):
         prior = 0.25 if self.draft.free else 0.5
         self.kept, self.tried = 2.0 * prior, 2.0
         self.context = context
-        self.paused, self.next_pause = 0, 1
+        self.paused = self.next_pause = self.FIRST_PAUSE
         self.proposed, self.watched = 0, []
         # trees: tokens kept against the tokens their nodes' values expected (decayed, a prior of one
         # tree that kept what it expected), and the last tree's expectation until its verdict
@@ -325,10 +328,10 @@ class AdaptiveDraft(Draft):
         return max(range(k + 1), key=lambda n: rate(n) / (self.MARGIN if n else 1.0))
 
     def paced(self, n: int) -> int:
-        """The best length n, except that where none pays (n = 0), one token is drafted after 1, 2,
-        4 ... 16 plain steps, to find out whether drafting pays again. 0: a plain step now."""
+        """The best length n, except that where none pays (n = 0), one token is drafted after 4, 8,
+        16, then every 32 plain steps, to find out whether drafting pays again. 0: a plain step now."""
         if n:
-            self.next_pause = 1
+            self.paused = self.next_pause = self.FIRST_PAUSE
             return n
         if self.paused:
             self.paused -= 1

@@ -316,7 +316,7 @@ def block_cost(n, context):
 @pytest.mark.parametrize("which", ["wrong", "right"])
 def test_adaptive_draft_length_pauses_where_nothing_is_kept(tiny, which):
     """The adaptive wrapper changes nothing but how much is drafted: greedy still equals plain;
-    a draft that is never right soon drafts nothing but a probe after 1, 2, 4 ... 16 plain steps,
+    a draft that is never right soon drafts nothing but a probe after 4, 8, 16, 32 ... plain steps,
     a draft that is always right drafts the full k."""
     from draft import AdaptiveDraft
     target = load(tiny)
@@ -326,8 +326,8 @@ def test_adaptive_draft_length_pauses_where_nothing_is_kept(tiny, which):
     spec = generate(target, prompt, AdaptiveDraft(inner, block_cost), Verifier("greedy"), k=6, max_new_tokens=60)
     assert spec["tokens"] == plain["tokens"]
     if which == "wrong":
-        # 2 (the prior's best length), 1, then a one-token probe after 0, 1, 2, 4, 8, 16, 16 plain steps
-        assert spec["drafted_tokens"] <= 2 + 1 + 7 and spec["tau"] == 1.0
+        # 2 (the prior's best length), 1, then a one-token probe after 4, 8, 16, 32 plain steps
+        assert spec["drafted_tokens"] <= 2 + 1 + 3 and spec["tau"] == 1.0
         assert spec["target_forwards"] == 60
     else:
         assert spec["accepted_per_position"] == [1.0] * 6
