@@ -452,7 +452,7 @@ def recorded_threshold(path: Path) -> float:
     return float(value)
 
 
-DEFAULT_DRAFTS = {DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-vat"}
+DEFAULT_DRAFTS = {DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-chat"}  # (docs/chat-draft/)
 
 
 def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: float = 1.0, generator=None,

@@ -412,6 +412,7 @@ def plain_default():
     ["--no-adaptive"],
     ["--tree", "8"],
     ["--draft", "drafts/smollm2-135m-eagle3-vat", "--early-exit"],
+    ["--draft", "drafts/smollm2-135m-eagle3-chat"],  # the lossy verifiers' default draft, adaptive
     ["--draft", "drafts/smollm2-135m-eagle3-gsm8k-2ep", "--tree", "16"],
     ["--draft", "drafts/smollm2-135m-eagle3-gsm8k", "--adaptive"],
     ["--draft", "drafts/smollm2-135m-dflash-gsm8k"],
