@@ -61,9 +61,8 @@ def add_speculation_args(ap):
                    help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls below this "
                         f"(bare flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT})")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="draft each step the length (with --tree: EAGLE-3's tree size, T = 0) that pays, from "
-                        "recent acceptance and what a block costs here; none: a plain step. Default: on for chains "
-                        "(any draft, any verifier), off with --tree; --no-adaptive drafts -k tokens every step")
+                   help="draft each step the length (with --tree: EAGLE-3's tree size) that pays here; none: a "
+                        "plain step. Default: on, off with --tree; --no-adaptive drafts -k tokens every step")
     g.add_argument("--tree", type=int, default=0, metavar="N",
                    help="draft a tree of at most N tokens (depth at most -k), verified in one forward: EAGLE-2's "
                         "dynamic tree for EAGLE-3, several matches for lookup. 0 (default): chains")

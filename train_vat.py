@@ -188,9 +188,8 @@ def add_other_modes(ap):
                    help="train nothing: write the learning curves of the finished runs in --runs to FILE (JSON)")
     g.add_argument("--runs", nargs="+", default=[], metavar="DIR", help="--out directories, for --learning-curves")
     g.add_argument("--export", nargs=2, default=None, metavar=("CHECKPOINT", "DIR"),
-                   help="train nothing: write a run's checkpoint (e.g. runs/NAME/checkpoint), or a draft of an "
-                        "older export, as a draft to ship in DIR: bf16, without the optimizer state, in the layout "
-                        "vLLM and SGLang load, the verification head and VAT's record beside it in DIR/vat/")
+                   help="train nothing: write a run's checkpoint (runs/NAME/checkpoint) or an older draft as a "
+                        "draft to ship in DIR: bf16, vLLM's and SGLang's layout, the head in DIR/vat/")
     g.add_argument("--early-exit-threshold", type=float, default=None,
                    help="with --export, the threshold a bare decode.py --early-exit takes from the draft")
 

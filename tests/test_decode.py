@@ -434,5 +434,5 @@ def test_a_trained_draft_drafts_adaptively_by_default(plain_default, capsys):
     fixed = decode_json(["--draft", "drafts/smollm2-135m-eagle3-vat", "--no-adaptive"], capsys)
     default = decode_json(["--draft", "drafts/smollm2-135m-eagle3-vat"], capsys)
     assert default["tokens"] == fixed["tokens"] == plain_default["tokens"]
-    assert fixed["drafted_tokens"] == fixed["k"] * fixed["target_forwards"] - fixed["declined_tokens"]
+    assert fixed["drafted_tokens"] > 0.8 * fixed["k"] * fixed["target_forwards"]  # (less only near the end)
     assert default["drafted_tokens"] < fixed["drafted_tokens"] / 2, (default, fixed)
