@@ -121,6 +121,7 @@ def test_stop_token_inside_a_block_and_exact_budget(tiny):
             assert out["tokens"] == plain[:budget]
 
 
+@pytest.mark.slow  # (the default suite checks the default's tokens on this target in test_every_command_line...)
 def test_default_target_prompt_lookup(default_int4):
     """On SmolLM2, decode.py's default (prompt lookup + greedy verification at T = 0) from the command
     line gives plain decoding's tokens, with tau > 1, and says what it did. Plain decoding runs in this
