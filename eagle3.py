@@ -116,7 +116,8 @@ class Eagle3Draft(Draft):
     def start(self, prompt_ids, features=None):
         self.cache_len = 0
         self.pending_tokens = list(prompt_ids[1:])
-        self.pending_features = features  # (L-1, 3 * target_dim): states 0..L-2, paired with tokens 1..L-1
+        # (L-1, 3 * target_dim): states 0..L-2, paired with tokens 1..L-1; each commit adds its rows
+        self.pending_features = [] if features is None else [features]
 
     def step(self, tokens, hidden, rope_pos, slots, visible):
         """One draft forward: tokens (T,) with the states they pair with, hidden (T, dim), rotated at
@@ -142,10 +143,10 @@ class Eagle3Draft(Draft):
         net = self.net
         device, dtype = net.fc.weight.device, net.fc.weight.dtype
         tokens_in = torch.tensor(self.pending_tokens, dtype=torch.long, device=device)
-        fused = net.fc(self.pending_features.to(device, dtype))  # (n, dim)
+        fused = net.fc(torch.cat(self.pending_features).to(device, dtype))  # (n, 3 * target_dim) -> (n, dim)
         state = self.chain_step(tokens_in, fused, self.cache_len)[-1:]  # (1, dim)
         self.cache_len += len(tokens_in)
-        self.pending_tokens, self.pending_features = [], None
+        self.pending_tokens, self.pending_features = [], []
         return state
 
     @torch.no_grad()
@@ -264,8 +265,7 @@ class Eagle3Draft(Draft):
         # pairs wait here until the next propose feeds them; a step in which another draft proposed
         # (HybridDraft) leaves them to be fed together with the next step's
         self.pending_tokens += list(new_ids)
-        self.pending_features = features if self.pending_features is None else \
-            torch.cat([self.pending_features, features])  # (pairs not yet fed, 3 * target_dim)
+        self.pending_features.append(features)  # (n_accepted + 1, 3 * target_dim), joined when fed
 
 
 

@@ -460,8 +460,9 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
     """--draft lookup | eagle3:PATH | dflash:PATH | a trained draft's directory (its config says
     which) | NAME_OR_PATH of an independent model sharing the target's tokenizer | lookup+ANY OF
     THOSE (HybridDraft: lookup where it matches, the draft elsewhere). early_exit: a threshold,
-    'auto' (the threshold the draft's config records), or None. A draft takes the target's dtype, and oneDNN's layout unless
-    the target's layout is an unpacked one (pack=None) or pack says otherwise."""
+    'auto' (the threshold the draft's config records), or None. A draft takes the target's dtype
+    (an EAGLE-3 draft on a CPU: float32), and oneDNN's layout unless the target's layout is an
+    unpacked one (pack=None) or pack says otherwise."""
     if pack is None:
         pack = getattr(target, "layout", "float32-packed") not in ("float32", "bfloat16")
     if spec == "lookup":
@@ -478,10 +479,15 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
             "draft_vocab_size" in config or "dflash_config" in config else ""
     sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
     if kind:
-        found, net = load_draft(path, target)
+        # On a CPU an EAGLE-3 draft (which owns its lm_head) runs in float32, unpacked: its weights
+        # are a few MB, and bf16's oneDNN kernels are built anew for each row count a process
+        # meets, once each; an adaptive draft catches up on a new number of pairs at most
+        # proposals, and in a short answer building those kernels costs more than the draft's forwards.
+        fp32 = kind == "eagle3" and target.embed_tokens.weight.device.type == "cpu"
+        found, net = load_draft(path, target, dtype=torch.float32 if fp32 else None)
         if found != kind:
             raise ValueError(f"{path} holds a {found} draft, not {kind}")
-        if pack:  # inference only: oneDNN's layout reads a draft's small matmuls faster
+        if pack and not fp32:  # inference only: oneDNN's layout reads a draft's small matmuls faster
             LF.pack_for_cpu(net)
         if early_exit == "auto":
             early_exit = recorded_threshold(path)
