@@ -56,10 +56,11 @@ def add_speculation_args(ap):
                    help="'none' is plain autoregressive decoding (sampling at T > 0); default: greedy at "
                         "T = 0, lossless at T > 0")
     g.add_argument("-k", "--num-draft-tokens", type=int, default=DECODE_K, help="tokens drafted per step")
-    g.add_argument("--early-exit", nargs="?", const="auto", default=None,
+    g.add_argument("--early-exit", nargs="?", const="auto", default="auto",
                    type=threshold,
-                   help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls below this "
-                        f"(bare flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT})")
+                   help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls below "
+                        f"this. Default and bare flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT}; "
+                        "0: never")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="draft each step the length (with --tree: EAGLE-3's tree size) that pays here; none: a "
                         "plain step. Default: on, off with --tree; --no-adaptive drafts -k tokens every step")
@@ -151,8 +152,8 @@ def check_and_complete(ap, args):
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must lie in (0, 1], got {args.top_p}")
     committed = DEFAULT_DRAFTS.get(args.target)
-    if args.draft is None and lossy:
-        args.draft = str(committed) if committed is not None and committed.is_dir() else "lookup"
+    if args.draft is None and lossy:  # the trained draft, and lookup where the context repeats
+        args.draft = f"lookup+{committed}" if committed is not None and committed.is_dir() else "lookup"
     args.default_draft = args.draft is None and args.verifier is None
     if args.default_draft:
         args.draft = "lookup"  # exact at any temperature, and drafting only where it pays (--adaptive)
@@ -197,11 +198,17 @@ class TokenColours:
         return f"[--show: {kept}; uncoloured: the target's own token]"
 
 
+def draft_shown(spec: str) -> str:
+    """--draft as outputs show it: a path inside the repository (also after lookup+) as a relative one."""
+    hybrid = spec.startswith("lookup+")
+    return ("lookup+" if hybrid else "") + repo_relative(spec.removeprefix("lookup+"))
+
+
 def summary_line(result: dict, args, speculative: bool, layout: str) -> str:
     """What speculation did for one answer, in one line for stderr."""
     how = "plain decoding"
     if speculative:
-        how = f"{repo_relative(args.draft)} draft, {args.verifier} verifier, k={args.num_draft_tokens}"
+        how = f"{draft_shown(args.draft)} draft, {args.verifier} verifier, k={args.num_draft_tokens}"
         how += f", trees of {args.tree}" if args.tree else ""
     line = (f"[{how}, T={args.temperature:g}, {layout} weights] {result['new_tokens']} tokens at "
             f"{result['tokens_per_s']:.1f} tok/s, {result['target_forwards']} target forwards")
@@ -339,7 +346,7 @@ def decode_prompts(args, encoded: list, target, tokenizer, draft, verifier, gene
         print(summary_line(result, args, draft is not None, layout), file=sys.stderr)
         if args.json:
             result["text"] = tokenizer.decode([t for t in result["tokens"] if t not in stop_ids])
-            result.update(target=args.target, draft=repo_relative(args.draft) if draft else None,
+            result.update(target=args.target, draft=draft_shown(args.draft) if draft else None,
                           verifier=args.verifier if draft else "none", layout=layout, tree=args.tree,
                           k=args.num_draft_tokens if draft else 0, temperature=args.temperature)
             print(json.dumps(result))

@@ -12,7 +12,8 @@ summarized as the median over prompts. A T = 0 row must print plain decoding's t
 Prompts: the first turn of the first Spec-Bench question of each of its 13 categories. Rows: plain
 decoding at T = 0 and T = 1, decode.py's default at T = 0, the card's `decode.py --verifier
 overshoot` as typed (its default draft), and for the old and the new draft: greedy with a fixed
-k and adaptive (T = 0), lossless and overshoot (T = 1), adaptive as decode.py drafts by default.
+k and no early exit (the draft's own tau) and as decode.py drafts by default (adaptive length,
+early exit), lossless and overshoot (T = 1); last, the new draft behind prompt lookup (T = 0).
 Run it with nothing else busy. --render FILE prints a results file's tables (markdown) again.
 """
 import argparse
@@ -33,14 +34,19 @@ from harness.results import machine_stamp, write_results
 PLAIN = {0: "decode.py --verifier none", 1: "decode.py --verifier none --temperature 1"}
 
 
+def fixed_k(draft: str) -> str:
+    """The draft's own tau: k tokens drafted every step, none declined by its head."""
+    return f"decode.py --draft {draft} --no-adaptive --early-exit 0"
+
+
 def rows(old: str, new: str) -> list:
     """[(command as typed, temperature)]: the baselines first."""
     out = [(PLAIN[0], 0), (PLAIN[1], 1), ("decode.py", 0), ("decode.py --verifier overshoot", 1)]
     for draft in (old, new):
-        out += [(f"decode.py --draft {draft} --no-adaptive", 0), (f"decode.py --draft {draft}", 0),
+        out += [(fixed_k(draft), 0), (f"decode.py --draft {draft}", 0),
                 (f"decode.py --verifier lossless --temperature 1 --draft {draft}", 1),
                 (f"decode.py --verifier overshoot --draft {draft}", 1)]
-    return out
+    return out + [(f"decode.py --draft lookup+{new}", 0)]
 
 
 def run_once(command: str, prompt: str, seed: int, max_new_tokens: int) -> dict:
@@ -91,7 +97,7 @@ def render(result: dict) -> str:
         lines.append(f"| `{command}` | {s['temperature']} | {s['mean_tau']:.2f} | {s['median_tokens_per_s']:.1f} | "
                      f"{s['median_ratio']:.2f}x | {exact} |")
     old, new = result["old"], result["new"]
-    columns = [(f"decode.py --draft {d} --no-adaptive", "tau") for d in (old, new)] + \
+    columns = [(fixed_k(d), "tau") for d in (old, new)] + \
         [(f"decode.py --verifier lossless --temperature 1 --draft {d}", "tau") for d in (old, new)] + \
         [(f"decode.py --verifier overshoot --draft {d}", "tau") for d in (old, new)] + \
         [(f"decode.py --verifier overshoot --draft {d}", "ratio") for d in (old, new)]

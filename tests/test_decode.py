@@ -188,8 +188,9 @@ def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
     assert (a.draft, a.verifier) == ("lookup", "lossless")  # exact, and ahead of plain sampling in the report
     assert get_args(["--temperature", "1", "--verifier", "none"]).draft is None
     assert capsys.readouterr().err == ""
-    a = get_args(["--verifier", "overshoot"])
-    assert a.temperature == 1.0 and a.draft == str(DEFAULT_DRAFTS[WT.DEFAULT_TARGET])
+    a = get_args(["--verifier", "overshoot"])  # the chat draft, behind prompt lookup
+    assert a.temperature == 1.0 and a.draft == f"lookup+{DEFAULT_DRAFTS[WT.DEFAULT_TARGET]}"
+    assert a.early_exit == "auto" and get_args(["--early-exit", "0"]).early_exit == 0.0
     assert "--temperature defaults to 1" in capsys.readouterr().err
     a = get_args(["--verifier", "minp", "--temperature", "0", "--draft", "lookup"])
     assert a.temperature == 0.0 and "is greedy verification" in capsys.readouterr().err
@@ -428,12 +429,15 @@ def test_every_command_line_prints_plain_decodings_tokens(argv, plain_default, c
     assert result["target_forwards"] <= plain_default["target_forwards"]
 
 
-def test_a_trained_draft_drafts_adaptively_by_default(plain_default, capsys):
-    """Any draft's chain is adaptive unless --no-adaptive: the same tokens as plain decoding, and a
-    draft that is seldom kept (the general draft on this list prompt) drafts far less than the -k
-    tokens a step it drafts with a fixed k."""
-    fixed = decode_json(["--draft", "drafts/smollm2-135m-eagle3-vat", "--no-adaptive"], capsys)
+def test_a_trained_draft_drafts_adaptively_and_exits_early_by_default(plain_default, capsys):
+    """Any draft's chain is adaptive unless --no-adaptive, and stops where its head expects a
+    rejection unless --early-exit 0: the same tokens as plain decoding, a head that declines some
+    of what the fixed k would draft, and a draft that is seldom kept (the general draft on this list
+    prompt) drafting far less than the -k tokens a step it drafts with a fixed k."""
+    fixed = decode_json(["--draft", "drafts/smollm2-135m-eagle3-vat", "--no-adaptive", "--early-exit", "0"], capsys)
+    heads = decode_json(["--draft", "drafts/smollm2-135m-eagle3-vat", "--no-adaptive"], capsys)
     default = decode_json(["--draft", "drafts/smollm2-135m-eagle3-vat"], capsys)
-    assert default["tokens"] == fixed["tokens"] == plain_default["tokens"]
+    assert default["tokens"] == fixed["tokens"] == heads["tokens"] == plain_default["tokens"]
     assert fixed["drafted_tokens"] > 0.8 * fixed["k"] * fixed["target_forwards"]  # (less only near the end)
+    assert fixed["declined_tokens"] == 0 < heads["declined_tokens"], (fixed, heads)
     assert default["drafted_tokens"] < fixed["drafted_tokens"] / 2, (default, fixed)
