@@ -411,12 +411,12 @@ def plain_default():
 
 @pytest.mark.parametrize("argv", [
     [],  # the default: adaptive prompt lookup
-    ["--no-adaptive"],
+    pytest.param(["--no-adaptive"], marks=pytest.mark.slow),  # (lookup every step: in the report's runs too)
     ["--tree", "8"],
     ["--draft", "drafts/smollm2-135m-eagle3-vat", "--early-exit"],
     ["--draft", "drafts/smollm2-135m-eagle3-chat"],  # the lossy verifiers' default draft, adaptive
     ["--draft", "drafts/smollm2-135m-eagle3-gsm8k-2ep", "--tree", "16"],
-    ["--draft", "drafts/smollm2-135m-eagle3-gsm8k", "--adaptive"],
+    pytest.param(["--draft", "drafts/smollm2-135m-eagle3-gsm8k", "--adaptive"], marks=pytest.mark.slow),  # (as -chat)
     ["--draft", "drafts/smollm2-135m-dflash-gsm8k"],
     ["--draft", "lookup+drafts/smollm2-135m-eagle3-gsm8k-2ep", "--early-exit", "--adaptive"],
 ], ids=lambda argv: " ".join(argv) or "default")

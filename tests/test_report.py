@@ -28,16 +28,21 @@ def test_readme_shows_what_the_results_file_renders_to():
 
 
 def test_render_only_replaces_the_table_between_the_markers(tmp_path):
-    readme = tmp_path / "README.md"
+    """--render-only writes README's table and the figure beside the results file, nothing else."""
+    readme, results = tmp_path / "README.md", tmp_path / "results.json"
+    results.write_text(report.RESULTS.read_text())  # (a copy: the committed figure stays as it is)
+    render_only = ["--render-only", "--readme", str(readme), "--out", str(results)]
     readme.write_text(f"intro\n{report.BEGIN}\nold table\n{report.END}\nrest\n")
-    report.main(["--render-only", "--readme", str(readme)])
+    report.main(render_only)
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("\nrest\n") and "old table" not in text
-    assert report.render(json.loads(report.RESULTS.read_text())) in text
+    assert report.render(json.loads(results.read_text())) in text
+    assert (tmp_path / "results.png").stat().st_size > 0
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
-        report.main(["--render-only", "--readme", str(readme)])
-    assert readme.read_text() == "no markers\n" and list(tmp_path.iterdir()) == [readme]
+        report.main(render_only)
+    assert readme.read_text() == "no markers\n"
+    assert sorted(tmp_path.iterdir()) == sorted([readme, results, tmp_path / "results.png"])
 
 
 @pytest.mark.slow  # loads the target three times and transformers once: about a minute
