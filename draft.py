@@ -258,6 +258,14 @@ class HybridDraft(Draft):
         self.lookup.commit(new_ids, n_accepted)
         self.model_draft.commit(new_ids, n_accepted, features)
 
+    def adapted(self, wrap):
+        """The hybrid with each source wrapped apart (wrap: a draft -> its AdaptiveDraft). A lookup
+        match is kept far more often than a model guess and costs no forward: one acceptance rate and
+        one draft time for both would draft the model where only lookup pays, or pause lookup's free
+        matches where only the model does not pay. Apart, lookup drafts or is watched by its own
+        record, and the model drafts by its own on the steps lookup leaves it."""
+        return HybridDraft(wrap(self.model_draft), wrap(self.lookup))
+
 
 # -----------------------------------------------------------------------------
 # Adaptive draft length: draft long where guesses are kept, pause where none are
@@ -408,7 +416,11 @@ class AdaptiveDraft(Draft):
                 self.learn(True)
             if n_accepted < (self.tree_depth or self.proposed):
                 self.learn(False)
-        elif self.watched:  # a plain step commits one token: the watched proposal's next one?
-            kept = new_ids[0] == self.watched[0]
-            self.learn(kept)
-            self.watched = self.watched[1:] if kept else []
+            self.proposed = 0  # learned once: in a hybrid, the next step may go to the other source
+        else:  # the watched proposal against what was committed (one token, or another source's block)
+            for token in new_ids:
+                if not self.watched:
+                    break
+                kept = token == self.watched[0]
+                self.learn(kept)
+                self.watched = self.watched[1:] if kept else []

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft import AdaptiveDraft, NoDraft, tree_depths
+from draft import AdaptiveDraft, Draft, HybridDraft, NoDraft, tree_depths
 from verify import Verifier, probs_from_logits, verify, verify_tree
 
 DECODE_K = 5  # tokens drafted per step by default (report.py measures the same)
@@ -177,16 +177,19 @@ def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifie
                          f"{L + max_new_tokens + k} positions; the context holds {max_seq_len} ({remedy})")
 
 
-def adaptive(draft, block_costs: tuple, tree: int = 0, temperature: float = 0.0, clock=None) -> AdaptiveDraft:
+def adaptive(draft, block_costs: tuple, tree: int = 0, temperature: float = 0.0, clock=None) -> Draft:
     """The draft with its length (or with tree > 0, its tree's size) chosen each step by what a
     block costs (draft.AdaptiveDraft). block_costs: (cost(n, context) of a forward verifying n
     drafted tokens, in one-token steps, and the seconds of one step), as the caller measured them
     for the run's target (the CPU engine's engine.layouts.run_block_costs); (None, None) counts
     every block as one step, as on a GPU. clock: the caller's (generate's), with which the
-    adaptive draft learns what its draft's own forwards cost; without one, they cost nothing."""
+    adaptive draft learns what its draft's own forwards cost; without one, they cost nothing. A
+    hybrid adapts its two sources apart (HybridDraft.adapted)."""
     problem = adaptive_tree_problem(tree, temperature, draft.sizes_trees)
     if problem:
         raise ValueError(problem)
+    if isinstance(draft, HybridDraft):
+        return draft.adapted(lambda part: AdaptiveDraft(part, *block_costs, clock=clock))
     return AdaptiveDraft(draft, *block_costs, clock=clock)
 
 

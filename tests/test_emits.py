@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import dflash_net, eagle3_net
-from speculative import exact_verifier, generate
+from speculative import adaptive, exact_verifier, generate
 from draft import AdaptiveDraft, HybridDraft, LookupDraft, ModelDraft
 from eagle3 import Eagle3Draft
 from dflash import DFlashDraft
@@ -47,6 +47,9 @@ def make_draft(kind: str, models, target, temperature, top_p, generator):
             "dflash early exit": lambda: dflash(early_exit=median_head_probability(dflash(), target)),
             "hybrid": lambda: HybridDraft(eagle3()),
             "adaptive": lambda: AdaptiveDraft(independent()),
+            # decode.py's lossy default: each source adapted apart, at block costs where drafting
+            # pays on some steps only (lookup watched, the model probed)
+            "adaptive hybrid": lambda: adaptive(HybridDraft(eagle3()), (lambda n, context: 1.0 + 0.3 * n, None)),
             }[kind]()
 
 
@@ -102,7 +105,7 @@ def index_of(tokens):
 # T = 0: every path is plain greedy decoding, token for token
 
 GREEDY_PATHS = ["lookup", "independent", "eagle3", "eagle3 early exit", "dflash", "dflash early exit", "hybrid",
-                "adaptive"]
+                "adaptive", "adaptive hybrid"]
 
 
 SLOW = pytest.mark.slow  # the same code path as a default-suite case; --runslow adds it
@@ -135,7 +138,7 @@ SAMPLING_PATHS = [("plain", False, 1.0, REPEATING), ("plain", False, 0.8, REPEAT
                   ("eagle3", False, 1.0, FRESH), ("eagle3 early exit", False, 1.0, FRESH),
                   ("dflash", False, 1.0, FRESH), ("dflash early exit", False, 1.0, FRESH),
                   ("hybrid", False, 1.0, REPEATING), ("hybrid", False, 1.0, FRESH),
-                  ("adaptive", False, 1.0, FRESH)]
+                  ("adaptive", False, 1.0, FRESH), ("adaptive hybrid", False, 1.0, REPEATING)]
 SAMPLING_IDS = [f"{k}-{'int8' if i else 'fp32'}-top_p{p:g}-{'rep' if pr is REPEATING else 'fresh'}"
                 for k, i, p, pr in SAMPLING_PATHS]
 SAMPLING_SLOW = {"independent-fp32-top_p0.8-rep", "hybrid-fp32-top_p1-rep", "lookup-int8-top_p1-rep",

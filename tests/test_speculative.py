@@ -6,7 +6,7 @@ tests/test_emits.py; trees: tests/test_tree.py.)"""
 import pytest
 import torch
 
-from draft import AdaptiveDraft, Draft, LookupDraft, no_tokens
+from draft import AdaptiveDraft, Draft, HybridDraft, LookupDraft, no_tokens
 from speculative import adaptive, check_request, exact_verifier, generate
 from verify import Verifier
 
@@ -121,3 +121,19 @@ def test_adaptive_draft_decodes_plainly_where_no_length_pays(target):
     out = generate(target, PROMPT, costly, Verifier("greedy"), k=4, max_new_tokens=16)
     assert out["tokens"] == want
     assert max(draft.asked) <= 1 and len(draft.asked) <= 2  # only one-token probes, after 4 and 8 plain steps
+
+
+def test_an_adaptive_hybrid_drafts_lookups_that_pay_beside_a_model_that_does_not(target):
+    """Lookup (free, always kept where it matches) beside a model draft that is never kept: adapted
+    apart, lookup's matches are drafted whole while the model is only probed one token at a time;
+    one acceptance rate for both would draft the model's wrong guesses or pause lookup's right ones."""
+    want = generate(target, PROMPT, max_new_tokens=24)["tokens"]
+    right = lambda seq: want[len(seq) - len(PROMPT):]
+    lookup = ScriptedDraft(lambda seq: right(seq) if len(seq) % 3 else [])  # matches two steps in three
+    lookup.free = True
+    model = ScriptedDraft(lambda seq: [(t + 1) % 16 for t in right(seq)])
+    hybrid = adaptive(HybridDraft(model, lookup), (lambda n, context: 1.0 + 0.5 * n, None))
+    out = generate(target, PROMPT, hybrid, Verifier("greedy"), k=4, max_new_tokens=24)
+    assert out["tokens"] == want
+    assert max(model.asked, default=0) <= 1  # probes at most
+    assert max(lookup.asked) == 4 and out["target_forwards"] < 16  # lookup's blocks drafted and kept
