@@ -6,20 +6,16 @@ and model, and every forward of the run uses it: plain one-token steps, verifica
 and the prefill. So greedy speculation emits plain decoding's tokens bit for bit, and a run that
 drafts can always fall back to the plain step at the plain step's speed.
 
-The choice is made by measurement, on probes: a model of the target's first four layers with its
-real embedding and head, and the same with no layers, built once in each candidate layout (never
-a copy of the whole model, so an 8B target is chosen for within its own footprint). A forward of
-the whole model is estimated as head + n_layer * (one layer), both timed on the probes. auto
-takes the candidate whose one-token step is fastest: every speculative run pauses into one-token
-steps where drafting does not pay (draft.AdaptiveDraft), so the plain step's speed is what it can
-never fall below. Where that layout's blocks do not give the bits of one-token steps here, the
-choice says so (inexact) and decode.py's default decodes plainly. The same probes then time
-blocks of 1..16 tokens in the chosen layout: the table AdaptiveDraft weighs a block's cost
-against its expected tokens with.
+The choice is made by measurement on probes (the target's first four layers with its real
+embedding and head, and the same with no layers, built in each candidate layout; never a copy of
+the whole model): a forward is estimated as head + n_layer * (one layer). auto takes the fastest
+one-token step, the speed a speculative run falls back to where drafting does not pay
+(draft.AdaptiveDraft). Where that layout's blocks do not give the bits of one-token steps here, the
+choice says so (inexact) and decode.py's default decodes plainly. The same probes time blocks of
+1..16 tokens: the table AdaptiveDraft weighs a block's cost against its expected tokens with.
 
-Decisions are kept in LAYOUT_CACHE, whole (written atomically) and only when nothing else kept a
-core busy while they were timed, keyed by the step code's digest too: new step code is timed anew
-(a new comment is not).
+Decisions are kept in LAYOUT_CACHE, whole and only when no other process kept a core busy while
+they were timed, keyed by the step code's digest too: new step code is timed anew, a new comment not.
 """
 import ast
 import hashlib
@@ -44,10 +40,9 @@ from engine.weights import cache_dir, check_checkpoint, load_model, read_config,
 # The layouts
 
 # "-packed": oneDNN's blocked layout (linear_forms.PackedLinear). Coarse layouts (bf16, int8, int4) attend
-# verification blocks row by row, so greedy speculation stays exact (model.py). int8 and int4
-# change the model (README: their cost in quality) and are opt-in, except that int4 is a candidate
-# for --dtype auto where the weights already are 4-bit codes in groups of 32 at their source (the
-# embedded GGUF target): there it changes only the rounding of the scales.
+# verification blocks row by row, so greedy speculation stays exact (model.py). int8 and int4 change the
+# model (README: their cost in quality) and are opt-in, except int4 for --dtype auto where the weights
+# are 4-bit codes in groups of 32 at their source (the embedded GGUF): there only the scales round.
 LAYOUTS = ("float32-packed", "float32", "bfloat16-packed", "bfloat16", "float16", "int8", "int4")
 # (tests point it elsewhere, so that their tiny models leave no entries in a user's cache)
 LAYOUT_CACHE = Path(os.environ.get("SPECDEC_LAYOUT_CACHE") or cache_dir() / "layouts.json")
