@@ -2,7 +2,7 @@
 The results report: every speed table README shows, measured again on the machine it runs on.
 
     python experiments/report.py                  # measure again (README says how long it takes)
-    python experiments/report.py --render-only    # README's table again from docs/results.json
+    python experiments/report.py --render-only    # the tables again from docs/results.json
 
 Two task sets with the embedded default target: Spec-Bench (one question per category: writing,
 roleplay, reasoning, math, coding, extraction, stem, humanities, translation, summarization, QA,
@@ -16,8 +16,10 @@ decode.py's own weight layout). A rate is new tokens over
 the whole call, prompt included, which is what transformers' generate can be timed on too.
 
 It writes docs/results.json (every run on every prompt, the summary and the machine: CPU model and
-features, cores, threads, torch, commit, date) and rewrites README's results table, between its
-markers, from that file alone; a test checks that README shows what the file renders to.
+features, cores, threads, torch, commit, date) and rewrites, between their markers and from that
+file alone, README's summary (one speedup and tau per run and task) and the full tables of its docs
+page (docs/results/README.md: tokens/s, interquartile ranges, exactness, the weight layout); a test
+checks that both show what the file renders to.
 Run it with nothing else busy: with 2 OpenMP threads another process slows a step several times.
 """
 import argparse
@@ -42,6 +44,7 @@ from engine.weights import DEFAULT_TARGET, resolve_model
 
 RESULTS = ROOT / "docs" / "results.json"
 README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "results" / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 GENERAL_DRAFT = "drafts/smollm2-135m-eagle3-vat"  # trained on general prompts
 GSM8K_DRAFT = "drafts/smollm2-135m-eagle3-gsm8k-2ep"  # trained on GSM8K-train answers
@@ -123,7 +126,7 @@ def measure(tasks: dict, max_new_tokens: int, k: int, seed: int) -> tuple:
 
 
 def render(results: dict) -> str:
-    """README's results section, from the results file alone."""
+    """The docs page's full tables, from the results file alone."""
     m = results["machine"]
     features = ", ".join(m["cpu_features"]) or "none of " + ", ".join(CPU_FEATURES)
     lines = [BEGIN,
@@ -161,14 +164,40 @@ def render(results: dict) -> str:
     return "\n".join(lines + [END])
 
 
+def render_summary(results: dict) -> str:
+    """README's results: each run's median speedup and tau per task and temperature, one table,
+    from the results file alone; the rest is the page's (render)."""
+    m, cells, columns, exact, tried = results["machine"], {}, [], 0, 0
+    for task, table in results["tasks"].items():
+        for name, s in sorted(table["summary"].items(), key=lambda item: item[1]["temperature"]):
+            column = f"{task}, T = {s['temperature']:g}"
+            columns += [] if column in columns else [column]
+            tau = f", tau {s['tau']:.2f}" if s["tau"] and s["drafted_tokens"] else ""
+            label = table["labels"][name].rsplit(" T=", 1)[0]
+            cells.setdefault(label, {})[column] = f"{s['speedup_median']:.2f}x{tau}"
+            if s["temperature"] == 0 and s["drafted_tokens"]:
+                exact, tried = exact + s["prompts_with_the_baseline_tokens"], tried + table["prompts"]
+    prompts = ", ".join(f"{table['prompts']} {task}" for task, table in results["tasks"].items())
+    lines = [BEGIN,
+             f"Median over prompts ({prompts}) of the speedup over plain decoding (`decode.py --verifier none`) "
+             f"at the same temperature on the same prompt, and tau (tokens per target forward); measured by "
+             f"`{results['command']}` on {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch "
+             f"{m['torch']}, commit {m['commit']}, {m['date']}. At T = 0 the speculative runs printed plain "
+             f"decoding's tokens on {exact} of {tried} prompts. Tokens/s, interquartile ranges and the weight "
+             f"layout: [docs/results](docs/results/README.md).", "",
+             "| run | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(row.get(c, "-") for c in columns) + " |" for label, row in cells.items()]
+    return "\n".join(lines + [END])
+
+
 def shown_command(argv: list) -> str:
     """The command line as README shows it: its settings, not where this machine kept its files."""
     shown, i = [], 0
     while i < len(argv):
-        if argv[i] in ("--out", "--readme"):
+        if argv[i] in ("--out", "--readme", "--page"):
             i += 2
             continue
-        if not argv[i].startswith(("--out=", "--readme=")):
+        if not argv[i].startswith(("--out=", "--readme=", "--page=")):
             shown.append(argv[i])
         i += 1
     return " ".join(["python experiments/report.py", *shown])
@@ -214,20 +243,29 @@ def draw(results: dict, path: Path) -> Path:
     return path
 
 
-def write_readme_table(results: dict, readme: Path):
-    """Replace what lies between README's markers with the rendered table (atomically)."""
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme} has no {BEGIN} ... {END} markers to write the results between")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    write_atomically(readme, head + render(results) + tail)
+def marker_problem(path: Path) -> str | None:
+    """Why `path` cannot take the rendered results between its markers, or None."""
+    if not path.is_file() or BEGIN not in path.read_text() or END not in path.read_text():
+        return f"{path} has no {BEGIN} ... {END} markers to write the results between"
+    return None
+
+
+def write_tables(results: dict, readme: Path, page: Path):
+    """Replace what lies between the markers of README (the summary) and of the docs page (the
+    full tables), each atomically, after checking both: one bad file leaves the other as it was."""
+    problem = marker_problem(readme) or marker_problem(page)
+    if problem:
+        raise ValueError(problem)
+    for path, text in ((readme, render_summary(results)), (page, render(results))):
+        head, rest = path.read_text().split(BEGIN, 1)
+        write_atomically(path, head + text + rest.split(END, 1)[1])
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Regenerate README's results on this machine: "
-                                             "docs/results.json and the table it renders to.")
-    ap.add_argument("--render-only", action="store_true", help="rewrite README's table from the results file")
+                                             "docs/results.json and the tables it renders to.")
+    ap.add_argument("--render-only", action="store_true",
+                    help="rewrite README's summary and the docs page's tables from the results file")
     ap.add_argument("--spec-bench", type=int, default=13, help="Spec-Bench prompts (one per category, in order)")
     ap.add_argument("--gsm8k", type=int, default=20, help="GSM8K test questions, from the end of the file")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -236,24 +274,26 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", default="auto", help="as decode.py's; measure with nothing else busy")
     ap.add_argument("--out", default=str(RESULTS), help="the results file")
-    ap.add_argument("--readme", default=str(README), help="the README whose table is rewritten")
+    ap.add_argument("--readme", default=str(README), help="the README whose summary is rewritten")
+    ap.add_argument("--page", default=str(PAGE), help="the docs page whose full tables are rewritten")
     args = ap.parse_args(argv)
     if min(args.spec_bench, args.gsm8k, args.max_new_tokens, args.num_draft_tokens) < 1:
         ap.error("--spec-bench, --gsm8k, --max-new-tokens and -k must be >= 1")
     problem = machine_problem("cpu", args.threads, None)
     if problem:
         ap.error(problem)
-    out, readme = Path(args.out), Path(args.readme)
+    out, readme, page = Path(args.out), Path(args.readme), Path(args.page)
     if args.render_only:
         results = read_results(out)
-        write_readme_table(results, readme)
+        write_tables(results, readme, page)
         draw(results, out.with_suffix(".png"))
         return
     problem = unwritable(out)
     if problem:
         ap.error(f"cannot write {out}: {problem}")
-    if not readme.is_file() or BEGIN not in readme.read_text():
-        ap.error(f"{readme} has no {BEGIN} ... {END} markers to write the results between")
+    problem = marker_problem(readme) or marker_problem(page)
+    if problem:
+        ap.error(problem)
     torch.set_num_threads(pick_threads(args.threads))
     machine = machine_stamp("cpu")  # before the runs: the commit measured, not one made during them
     t0 = time.perf_counter()
@@ -263,9 +303,9 @@ def main(argv=None):
                "out": repo_relative(out), "max_new_tokens": args.max_new_tokens, "k": args.num_draft_tokens,
                "seed": args.seed, "seconds": time.perf_counter() - t0, "auto_choice": auto, "tasks": tasks}
     write_results(out, results)
-    write_readme_table(results, readme)
+    write_tables(results, readme, page)
     draw(results, out.with_suffix(".png"))
-    print(render(results))
+    print(render_summary(results))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""report.py: README's results table is what docs/results.json renders to, and the report runs."""
+"""report.py: README's summary and the results page's tables are what docs/results.json renders
+to, and the report runs."""
 import json
 import re
 
@@ -9,11 +10,26 @@ import report
 from engine.files import ROOT
 
 
-def test_readme_shows_what_the_results_file_renders_to():
+def between_markers(text: str) -> str:
+    return text[text.index(report.BEGIN):text.index(report.END) + len(report.END)]
+
+
+def test_readme_and_the_results_page_show_what_the_results_file_renders_to():
     results = json.loads(report.RESULTS.read_text())
-    readme = report.README.read_text()
-    shown = readme[readme.index(report.BEGIN):readme.index(report.END) + len(report.END)]
-    assert shown == report.render(results), "README's table is stale: run python experiments/report.py --render-only"
+    stale = "stale: run python experiments/report.py --render-only"
+    readme = between_markers(report.README.read_text())
+    assert readme == report.render_summary(results), f"README's summary is {stale}"
+    assert between_markers(report.PAGE.read_text()) == report.render(results), f"docs/results' tables are {stale}"
+    # README's summary: each run's row holds its median speedup and tau, for each task and temperature
+    rows = {line.split(" | ")[0].removeprefix("| "): line for line in readme.splitlines() if line.startswith("| ")}
+    exact = tried = 0
+    for task, table in results["tasks"].items():
+        for name, s in table["summary"].items():
+            cell = f"{s['speedup_median']:.2f}x" + (f", tau {s['tau']:.2f}" if s["drafted_tokens"] else "")
+            assert f"| {cell} |" in rows[table["labels"][name].rsplit(" T=", 1)[0]], (task, name)
+            if s["temperature"] == 0 and s["drafted_tokens"]:
+                exact, tried = exact + s["prompts_with_the_baseline_tokens"], tried + table["prompts"]
+    assert f"tokens on {exact} of {tried} prompts" in readme
     machine = results["machine"]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["threads"] >= 1 and machine["torch"]
     assert not machine["uncommitted_changes"], "measure a committed tree, so that the commit names the code"
@@ -27,35 +43,41 @@ def test_readme_shows_what_the_results_file_renders_to():
             > len(sampled), "plain decoding at T = 1 gave greedy decoding's tokens"
 
 
-def test_render_only_replaces_the_table_between_the_markers(tmp_path):
-    """--render-only writes README's table and the figure beside the results file, nothing else."""
-    readme, results = tmp_path / "README.md", tmp_path / "results.json"
+def test_render_only_replaces_the_tables_between_the_markers(tmp_path):
+    """--render-only writes README's summary, the page's tables and the figure beside the results
+    file, nothing else; where either file lacks its markers, neither is touched."""
+    readme, page, results = tmp_path / "README.md", tmp_path / "page.md", tmp_path / "results.json"
     results.write_text(report.RESULTS.read_text())  # (a copy: the committed figure stays as it is)
-    render_only = ["--render-only", "--readme", str(readme), "--out", str(results)]
-    readme.write_text(f"intro\n{report.BEGIN}\nold table\n{report.END}\nrest\n")
+    render_only = ["--render-only", "--readme", str(readme), "--page", str(page), "--out", str(results)]
+    for path in (readme, page):
+        path.write_text(f"intro\n{report.BEGIN}\nold table\n{report.END}\nrest\n")
     report.main(render_only)
-    text = readme.read_text()
-    assert text.startswith("intro\n") and text.endswith("\nrest\n") and "old table" not in text
-    assert report.render(json.loads(results.read_text())) in text
+    for path, render in ((readme, report.render_summary), (page, report.render)):
+        text = path.read_text()
+        assert text.startswith("intro\n") and text.endswith("\nrest\n") and "old table" not in text
+        assert render(json.loads(results.read_text())) in text
     assert (tmp_path / "results.png").stat().st_size > 0
+    shown = page.read_text()
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
         report.main(render_only)
-    assert readme.read_text() == "no markers\n"
-    assert sorted(tmp_path.iterdir()) == sorted([readme, results, tmp_path / "results.png"])
+    assert readme.read_text() == "no markers\n" and page.read_text() == shown
+    assert sorted(tmp_path.iterdir()) == sorted([readme, page, results, tmp_path / "results.png"])
 
 
 @pytest.mark.slow  # loads the target three times and transformers once: about a minute
 def test_a_small_report_runs_end_to_end(tmp_path):
-    readme, out = tmp_path / "README.md", tmp_path / "results.json"
-    readme.write_text(f"{report.BEGIN}\n{report.END}\n")
+    readme, page, out = tmp_path / "README.md", tmp_path / "page.md", tmp_path / "results.json"
+    for path in (readme, page):
+        path.write_text(f"{report.BEGIN}\n{report.END}\n")
     report.main(["--spec-bench", "2", "--gsm8k", "1", "--max-new-tokens", "8", "--out", str(out),
-                 "--readme", str(readme)])
+                 "--readme", str(readme), "--page", str(page)])
     results = json.loads(out.read_text())
-    assert readme.read_text() == report.render(results) + "\n"
+    assert readme.read_text() == report.render_summary(results) + "\n"
+    assert page.read_text() == report.render(results) + "\n"
     # at T = 0 every speculative run emits the tokens of plain decoding in its own layout
     for task in results["tasks"].values():
-        runs, layouts = task["runs"], task["layouts"]
+        runs, layouts = speed.records_from_file(task["runs"]), task["layouts"]
         plain = {layouts[name]: runs[name] for name in runs if name.endswith("T=0") and "plain" in
                  task["labels"][name] and "transformers" not in name}
         checked = [name for name in runs if name.endswith("T=0") and layouts[name] in plain]
