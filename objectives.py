@@ -74,15 +74,11 @@ def simulate_acceptance(draft_logits, target_logp, label: str):
 
 
 class LossSettings(NamedTuple):
-    """What the draft's loss trains, read off the command line once: VAT's parts (none: the draft's
-    own objective), the verification its labels and k* simulate, and the head's weight in the sum."""
+    """What the draft's loss trains: VAT's parts (none: the draft's own objective), the
+    verification its labels and k* simulate, and the head's weight in the sum."""
     parts: frozenset = frozenset()
     label: str = "greedy"
     beta: float = 1.0
-
-    @classmethod
-    def from_args(cls, args):
-        return cls(frozenset(args.vat_parts) if args.objective == "vat" else frozenset(), args.vat_label, args.beta)
 
 
 def objective(draft_logits, head_logits, target_logp, valid, settings: LossSettings, decay, native: str,

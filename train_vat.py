@@ -290,6 +290,12 @@ GRAD_CLIP = 0.5  # EAGLE's training configs clip the gradient norm at 0.5
 EVAL_NEW_TOKENS = 64  # answer length of the periodic real-tau check
 
 
+def loss_settings(args) -> LossSettings:
+    """The loss's settings from the command line: VAT's parts only under --objective vat."""
+    parts = frozenset(args.vat_parts) if args.objective == "vat" else frozenset()
+    return LossSettings(parts, args.vat_label, args.beta)
+
+
 def build_draft_net(args, target, data):
     t = target.args
     if args.draft == "eagle3":
@@ -386,7 +392,7 @@ def main(argv=None):
     target, tokenizer, _ = load_target(args.target, device, experiment_layout(device),
                                        args.max_prompt_tokens + args.response_tokens)
     target.setup_caches(args.gen_batch, args.max_prompt_tokens + args.response_tokens)
-    recipe = Recipe.from_args(args)
+    recipe = Recipe(**{name: getattr(args, name) for name in Recipe._fields})
     corpus = Corpus(*build_corpus(target, tokenizer, recipe)) if args.features == "captured" else None
     data = [corpus.sequence(i) for i in range(len(corpus))] if corpus else build_dataset(target, tokenizer, recipe)
     if args.prepare_only:
@@ -405,7 +411,7 @@ def main(argv=None):
                          f"(a later --stop-at, or none, continues it)")
     target.setup_caches(args.batch_size, args.seq_len)  # training forwards: one batch of sequences
     # the head as a plain tensor (a packed CPU weight has no autograd); a corpus's features' layers
-    model = DraftLoss(net, target, LossSettings.from_args(args), args.ttt_steps, args.blocks_per_seq,
+    model = DraftLoss(net, target, loss_settings(args), args.ttt_steps, args.blocks_per_seq,
                       head_weight=LF.dense_weight(target.lm_head), captured_layers=corpus.layers if corpus else ())
     if world > 1:  # gradients of the draft are averaged across processes; the target is never all-reduced
         model = torch.nn.parallel.DistributedDataParallel(model)

@@ -71,8 +71,8 @@ def test_baseline_objective_is_the_plain_loss():
     draft, tgt = torch.randn(N, K, V), F.log_softmax(torch.randn(N, K, V), -1)
     valid = torch.rand(N, K) > 0.2
     # the baseline objective: --vat-parts is ignored, no part of VAT applies
-    baseline = OB.LossSettings.from_args(argparse.Namespace(objective="baseline", vat_label="greedy",
-                                                            vat_parts=TV.VAT_PARTS, beta=1.0))
+    baseline = TV.loss_settings(argparse.Namespace(objective="baseline", vat_label="greedy",
+                                                 vat_parts=TV.VAT_PARTS, beta=1.0))
     assert baseline.parts == frozenset()
     loss, _ = OB.objective(draft, torch.zeros(N, K), tgt, valid, baseline, OB.eagle3_decay, native="soft")
     soft = -(tgt.exp() * F.log_softmax(draft, -1)).sum(-1) * valid

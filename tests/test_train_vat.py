@@ -109,8 +109,8 @@ def tiny_training(target, objective, steps, seed=0):
     for p in prompts:
         out = generate(target, p, max_new_tokens=26)["tokens"]
         data.append((p + out, len(p), "prompt"))
-    settings = OB.LossSettings.from_args(argparse.Namespace(objective=objective, vat_label="greedy",
-                                                            vat_parts=TV.VAT_PARTS, beta=1.0))
+    settings = TV.loss_settings(argparse.Namespace(objective=objective, vat_label="greedy",
+                                                 vat_parts=TV.VAT_PARTS, beta=1.0))
     net = eagle3_net(target, draft_vocab=97).train()
     net.d2t.zero_()
     net.t2d.fill_(True)
