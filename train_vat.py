@@ -552,6 +552,11 @@ def plot_learning_curves(runs: dict, path: Path):
         if points and seen:
             ax.plot(*zip(*points), marker="o", ms=3, label=f"{name} ({run['draft']}, {run['objective']})")
     ax.set_xscale("log")
+    # ticks at 1, 2 and 5 of each decade, as 200k and 1M (log axes' own minor labels overlap)
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda x, _: f"{x / 1e6:g}M" if x >= 1e6 else f"{x / 1e3:g}k"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("response tokens trained on (log scale)")
     ax.set_ylabel("real tau, held-out prompts (T = 0)")
     ax.grid(alpha=0.3)
