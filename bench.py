@@ -181,7 +181,8 @@ def add_run_args(ap):
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     g.add_argument("--drafts", default=default_drafts,
                    help="comma-separated drafts as decode.py's --draft takes them, with suffixes in any "
-                        "order: @ee or @ee0.2 (early exit), @tree16 (trees), @adapt (adaptive length or tree size)")
+                        "order: @ee or @ee0.2 (early exit), @conf (early exit by the draft's confidence), "
+                        "@tree16 (trees), @adapt (adaptive length or tree size)")
     g.add_argument("--verifiers", default="greedy,lossless",
                    help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
                         "lossless (the same rule there) is left out if greedy is in")
@@ -291,7 +292,7 @@ def check_and_complete(ap, args):
         ap.error("--paired compares two different drafts; a draft against itself is 1.000 by construction")
     for spec in args.drafts:
         try:
-            _, _, tree, adapt = parse_spec(spec)
+            _, _, tree, adapt, _ = parse_spec(spec)
         except ValueError as e:
             ap.error(f"--drafts {e}")
         if adapt and adaptive_tree_problem(tree, max(args.temperatures)):

@@ -17,12 +17,13 @@ import time
 import torch
 
 import model as M
-from engine.checkpoints import DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
+from engine.checkpoints import CONFIDENCE_EXIT_DEFAULT, DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
 from engine.files import repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, recheck_kept_timing,
                             run_block_costs, target_layout)
 from engine.machine import add_machine_options, compile_step, machine_problem, pick_threads, wall_clock, wants_compile
 from data.prompts import read_prompts
+from draft import EXIT_SIGNALS
 from speculative import DECODE_K, adaptive, adaptive_tree_problem, check_request, exact_verifier, generate
 from tokenizer import load_tokenizer
 from verify import LOSSY, VERIFIERS, Verifier, check_temperature
@@ -59,8 +60,12 @@ def add_speculation_args(ap):
     g.add_argument("--early-exit", nargs="?", const="auto", default="auto",
                    type=threshold,
                    help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls below "
-                        f"this. Default and bare flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT}; "
-                        "0: never")
+                        f"this. Default and bare flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT} "
+                        f"({CONFIDENCE_EXIT_DEFAULT} with --early-exit-signal confidence); 0: never")
+    g.add_argument("--early-exit-signal", default="head", choices=EXIT_SIGNALS,
+                   help="what early exit reads: head, VAT's verification head (its probability that the token "
+                        "is kept), or confidence, the draft's own probability of its most likely token "
+                        "(EAGLE-2's signal; docs/exit-signal compares them)")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="draft each step the length (with --tree: EAGLE-3's tree size) that pays here; none: a "
                         "plain step. Default: on, off with --tree; --no-adaptive drafts -k tokens every step")
@@ -259,7 +264,7 @@ def run_draft(args, target, choice: dict, tokenizer, generator, step_fn=None):
         if args.default_draft:
             return None
     draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
-                        generator=generator, early_exit=args.early_exit)
+                        generator=generator, early_exit=args.early_exit, exit_signal=args.early_exit_signal)
     if not args.adaptive:
         return draft
     return adaptive(draft, run_block_costs(target, choice), args.tree, args.temperature, wall_clock(args.device))

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import model as M
-from draft import Draft, no_tokens
+from draft import Draft, exit_probability, no_tokens
 from verify import probs_from_logits, sample
 
 
@@ -101,12 +101,12 @@ class DFlashDraft(Draft):
 
     def __init__(self, net: DFlash, embed: nn.Embedding, lm_head: nn.Module, max_seq_len: int,
                  temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                 early_exit: float | None = None):
+                 early_exit: float | None = None, exit_signal: str = "head"):
         self.net, self.embed, self.lm_head = net, embed, lm_head
         self.target_layers = net.target_layers
         self.max_tokens = net.block_size - 1  # one block drafts at most this many (the anchor is known)
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
-        self.early_exit = early_exit
+        self.early_exit, self.exit_signal = early_exit, exit_signal  # (draft.EXIT_SIGNALS)
         weight, length = net.fc.weight, max_seq_len + net.block_size
         self.caches = [M.KVCache(1, net.args.n_kv_head, length, net.args.head_dim,
                                  weight.dtype, weight.device)
@@ -137,8 +137,8 @@ class DFlashDraft(Draft):
         logits, head_logits = net.heads(h[0, 1:k + 1], self.lm_head)  # position i predicts the token at anchor_pos + i
         probs = probs_from_logits(logits, self.temperature, self.top_p)  # (k, V)
         n = k
-        if self.early_exit is not None:  # stop at the first position the head expects rejected
-            below = (torch.sigmoid(head_logits) < self.early_exit).nonzero()
+        if self.early_exit is not None:  # stop at the first position the head (or confidence) expects rejected
+            below = (exit_probability(self.exit_signal, logits, head_logits) < self.early_exit).nonzero()
             n = int(below[0]) if len(below) else k
         self.proposal_head_logits = [head_logits[:n]]
         if n == 0:

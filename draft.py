@@ -58,6 +58,21 @@ class Draft:
         raise NotImplementedError
 
 
+# What a trained draft's early exit reads, for each drafted token, to decide whether to go on:
+# 'head', VAT's verification head (its probability that the token is kept), or 'confidence', the
+# draft's own probability of its most likely token (EAGLE-2's signal, which needs no head)
+EXIT_SIGNALS = ("head", "confidence")
+
+
+def exit_probability(signal: str, logits: torch.Tensor, head_logits: torch.Tensor) -> torch.Tensor:
+    """Draft logits (..., Vd) and head logits (...) -> the early-exit signal (...) in [0, 1]; drafting
+    stops at the first token whose signal falls below the threshold. The confidence is read before
+    temperature or top-p, so one threshold means the same at every temperature."""
+    if signal == "head":
+        return torch.sigmoid(head_logits.float())
+    return torch.softmax(logits.float(), -1).amax(-1)
+
+
 def no_tokens():
     return torch.tensor([], dtype=torch.long), None
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import model as M
-from draft import Draft, draw_without_replacement, no_tokens
+from draft import Draft, draw_without_replacement, exit_probability, no_tokens
 from verify import probs_from_logits, sample
 
 
@@ -101,12 +101,12 @@ class Eagle3Draft(Draft):
 
     def __init__(self, net: Eagle3, embed: nn.Embedding, max_seq_len: int,
                  temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                 early_exit: float | None = None):
+                 early_exit: float | None = None, exit_signal: str = "head"):
         self.net, self.embed = net, embed
         self.target_layers = net.target_layers
         self.max_tokens = float("inf")  # one guess per forward, as many as asked
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
-        self.early_exit = early_exit
+        self.early_exit, self.exit_signal = early_exit, exit_signal  # (draft.EXIT_SIGNALS)
         weight = net.fc.weight
         self.cache = M.KVCache(1, net.args.n_kv_head, max_seq_len, net.args.head_dim,
                                weight.dtype, weight.device)
@@ -158,8 +158,9 @@ class Eagle3Draft(Draft):
         tokens, dists, self.proposal_head_logits = [], [], []
         for j in range(k):
             logits, head_logit = net.heads(state[-1])
-            if self.early_exit is not None and torch.sigmoid(head_logit).item() < self.early_exit:
-                break  # the verification head expects this token rejected: stop drafting here
+            if self.early_exit is not None and \
+                    exit_probability(self.exit_signal, logits, head_logit).item() < self.early_exit:
+                break  # the head (or the draft's confidence) expects this token rejected: stop here
             self.proposal_head_logits.append(head_logit)
             q = net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (V,)
             token = sample(q, self.temperature, self.generator)
@@ -245,6 +246,8 @@ class Eagle3Draft(Draft):
         drawn without replacement, room() being the nodes the tree may still take once the
         earlier nodes' children are in; [] for a node early exit prunes."""
         logits, head_logits = self.net.heads(expand_states)  # (E, Vd), (E,)
+        go_on = None if self.early_exit is None else \
+            (exit_probability(self.exit_signal, logits, head_logits) >= self.early_exit).tolist()  # (E,)
         if self.temperature > 0:
             q_expand = self.net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (E, V)
         else:
@@ -252,8 +255,8 @@ class Eagle3Draft(Draft):
             logq = torch.log_softmax(logits.float(), -1)
             top_logq, top_ids = logq.topk(min(top_k, logq.shape[-1]), -1)  # (E, top_k)
         for e in range(len(expand_states)):
-            if self.early_exit is not None and torch.sigmoid(head_logits[e]).item() < self.early_exit:
-                yield []  # the head expects this node's children rejected: prune the branch
+            if go_on is not None and not go_on[e]:
+                yield []  # the head (or the confidence) expects this node's children rejected: prune
             elif self.temperature > 0:
                 drawn = draw_without_replacement(q_expand[e], min(top_k, room()), self.generator)
                 yield [(math.log(q_expand[e, x].item()), x, q_i) for x, q_i, _ in drawn]

@@ -441,6 +441,10 @@ def read_log(path: Path) -> list:
 # (EAGLE-3) and 0.6 (DFlash) suit drafts whose head is confident; ours, trained on a CPU, are not,
 # and at 0.5 they draft almost nothing.
 EARLY_EXIT_DEFAULT = 0.1
+# The threshold a bare --early-exit takes when the exit reads the draft's confidence instead
+# (--early-exit-signal confidence): recorded thresholds are the head's, whose probabilities sit
+# lower; chosen on GSM8K training questions (docs/exit-signal)
+CONFIDENCE_EXIT_DEFAULT = 0.45
 
 
 def recorded_threshold(path: Path) -> float:
@@ -456,11 +460,12 @@ DEFAULT_DRAFTS = {DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-chat"} 
 
 
 def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                early_exit=None, pack: bool | None = None):
+                early_exit=None, pack: bool | None = None, exit_signal: str = "head"):
     """--draft lookup | eagle3:PATH | dflash:PATH | a trained draft's directory (its config says
     which) | NAME_OR_PATH of an independent model sharing the target's tokenizer | lookup+ANY OF
     THOSE (HybridDraft: lookup where it matches, the draft elsewhere). early_exit: a threshold,
-    'auto' (the threshold the draft's config records), or None. A draft takes the target's dtype
+    'auto' (the threshold the draft's config records), or None; exit_signal: what it reads
+    (draft.EXIT_SIGNALS). A draft takes the target's dtype
     (an EAGLE-3 draft on a CPU: float32), and oneDNN's layout unless the target's layout is an
     unpacked one (pack=None) or pack says otherwise."""
     if pack is None:
@@ -469,7 +474,7 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
         return LookupDraft()
     if spec.startswith("lookup+"):
         model_draft = build_draft(spec.removeprefix("lookup+"), target, tokenizer, temperature, top_p,
-                                  generator, early_exit, pack)
+                                  generator, early_exit, pack, exit_signal)
         return HybridDraft(model_draft)
     kind, _, where = spec.partition(":") if spec.split(":")[0] in ("eagle3", "dflash") else ("", "", spec)
     path = resolve_model(where)
@@ -490,12 +495,12 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
         if pack and not fp32:  # inference only: oneDNN's layout reads a draft's small matmuls faster
             LF.pack_for_cpu(net)
         if early_exit == "auto":
-            early_exit = recorded_threshold(path)
+            early_exit = recorded_threshold(path) if exit_signal == "head" else CONFIDENCE_EXIT_DEFAULT
         if kind == "eagle3":
             return Eagle3Draft(net, target.embed_tokens, target.max_seq_len, early_exit=early_exit,
-                               **sampling)
+                               exit_signal=exit_signal, **sampling)
         return DFlashDraft(net, target.embed_tokens, target.lm_head, target.max_seq_len,
-                           early_exit=early_exit, **sampling)
+                           early_exit=early_exit, exit_signal=exit_signal, **sampling)
     weight = target.embed_tokens.weight
     draft_model = load_model(path, dtype=weight.dtype, device=weight.device)
     if draft_model.args.vocab_size != target.args.vocab_size:

@@ -26,19 +26,21 @@ from harness.stats import paired_ratio, quartiles
 from verify import VERIFIERS, Verifier
 from engine.weights import DEFAULT_TARGET, resolve_model
 
-SUFFIX = re.compile(r"@(ee|tree|adapt)([^@]*)")
+SUFFIX = re.compile(r"@(ee|conf|tree|adapt)([^@]*)")
 
 
 def parse_spec(spec: str) -> tuple:
-    """A --drafts entry -> (draft as decode.py's --draft takes it, early exit, tree budget, adaptive).
-    Suffixes come in any order, each at most once: @ee (the draft's recorded threshold, 'auto') or
-    @ee0.2; @treeN (trees of N tokens, decode.py --tree N); @adapt (decode.py --adaptive). A
-    suffix that is unknown, repeated, out of range or does not apply is a one-line error."""
+    """A --drafts entry -> (draft as decode.py's --draft takes it, early exit, tree budget, adaptive,
+    exit signal). Suffixes come in any order, each at most once: @ee (the draft's recorded
+    threshold, 'auto') or @ee0.2; @conf (the early exit reads the draft's confidence, not its head:
+    decode.py --early-exit-signal confidence); @treeN (trees of N tokens, decode.py --tree N);
+    @adapt (decode.py --adaptive). A suffix that is unknown, repeated, out of range or does not
+    apply is a one-line error."""
     base, _, _ = spec.partition("@")
     rest = spec[len(base):]
     found = SUFFIX.findall(rest)
     if "".join(f"@{name}{value}" for name, value in found) != rest:
-        raise ValueError(f"{spec}: suffixes are @ee, @ee<threshold>, @tree<N> and @adapt")
+        raise ValueError(f"{spec}: suffixes are @ee, @ee<threshold>, @conf, @tree<N> and @adapt")
     names = [name for name, _ in found]
     if len(set(names)) < len(names):
         raise ValueError(f"{spec}: each suffix at most once")
@@ -61,13 +63,16 @@ def parse_spec(spec: str) -> tuple:
         if not values["tree"].isdigit() or int(values["tree"]) < 1:
             raise ValueError(f"{spec}: @tree takes a number of draft tokens >= 1, as in lookup@tree16")
         tree = int(values["tree"])
-    if values.get("adapt"):
-        raise ValueError(f"{spec}: @adapt takes no value")
-    return base, early_exit, tree or 0, "adapt" in values
+    for flag in ("adapt", "conf"):
+        if values.get(flag):
+            raise ValueError(f"{spec}: @{flag} takes no value")
+    if "conf" in values and early_exit is None:
+        raise ValueError(f"{spec}: @conf says what early exit reads; it needs @ee or @ee<threshold> too")
+    return base, early_exit, tree or 0, "adapt" in values, "confidence" if "conf" in values else "head"
 
 
 def draft_label(spec: str) -> str:
-    base, early_exit, tree, adapt = parse_spec(spec)
+    base, early_exit, tree, adapt, signal = parse_spec(spec)
     hybrid = base.startswith("lookup+")
     path = Path(base.removeprefix("lookup+").split(":", 1)[-1])
     name = base if base == "lookup" else (path.parent.name if path.name == "checkpoint" else path.name)
@@ -75,7 +80,8 @@ def draft_label(spec: str) -> str:
         name = f"{path.parent.name}@{checkpoint_step(path)}"
     name = ("lookup+" if hybrid else "") + name
     if early_exit is not None:
-        name += " +early-exit" + ("" if early_exit == "auto" else f" {early_exit:g}")
+        name += " +early-exit" + (" by confidence" if signal == "confidence" else "") + \
+            ("" if early_exit == "auto" else f" {early_exit:g}")
     name += f" tree{tree}" if tree else ""
     return name + (" +adaptive" if adapt else "")
 
@@ -84,9 +90,9 @@ def make_draft(spec, target, tokenizer, temperature, generator, choice: dict):
     """A --drafts entry (parse_spec) as a draft; the run's tree budget is parse_spec's too. choice:
     auto's layout decision for the target ({} for a layout named), whose block costs an adaptive
     draft weighs."""
-    base, early_exit, tree, adapt = parse_spec(spec)
+    base, early_exit, tree, adapt, signal = parse_spec(spec)
     draft = build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
-                        early_exit=early_exit)
+                        early_exit=early_exit, exit_signal=signal)
     if not adapt:
         return draft
     clock = wall_clock(target.embed_tokens.weight.device.type)

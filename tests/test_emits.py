@@ -12,13 +12,17 @@ Then the same claims on the real default target (a goodness-of-fit test of the f
 through the command line and the benchmark, whose baselines are what every speedup divides by.
 """
 import json
+from unittest import mock
 
 import pytest
 import torch
 
+import dflash
+import eagle3
+
 from conftest import dflash_net, eagle3_net
 from speculative import adaptive, exact_verifier, generate
-from draft import AdaptiveDraft, HybridDraft, LookupDraft, ModelDraft
+from draft import AdaptiveDraft, HybridDraft, LookupDraft, ModelDraft, exit_probability
 from eagle3 import Eagle3Draft
 from dflash import DFlashDraft
 from verify import Verifier, induced, probs_from_logits
@@ -33,18 +37,24 @@ def make_draft(kind: str, models, target, temperature, top_p, generator):
     """A fresh draft of each kind decode.py builds, over `target`."""
     sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
     independent = lambda: ModelDraft(models["load"](models["draft_dir"]), **sampling)  # noqa: E731
-    eagle3 = lambda early_exit=None: Eagle3Draft(eagle3_net(target, draft_vocab=12), target.embed_tokens,  # noqa: E731
-                                                 target.max_seq_len, early_exit=early_exit, **sampling)
-    dflash = lambda early_exit=None: DFlashDraft(dflash_net(target, block=4), target.embed_tokens,  # noqa: E731
-                                                 target.lm_head, target.max_seq_len, early_exit=early_exit,
-                                                 **sampling)
+    eagle3 = lambda early_exit=None, exit_signal="head": Eagle3Draft(  # noqa: E731
+        eagle3_net(target, draft_vocab=12), target.embed_tokens, target.max_seq_len, early_exit=early_exit,
+        exit_signal=exit_signal, **sampling)
+    dflash = lambda early_exit=None, exit_signal="head": DFlashDraft(  # noqa: E731
+        dflash_net(target, block=4), target.embed_tokens, target.lm_head, target.max_seq_len,
+        early_exit=early_exit, exit_signal=exit_signal, **sampling)
+    confident = dict(exit_signal="confidence")
     return {"plain": lambda: None,
             "lookup": LookupDraft,
             "independent": independent,
             "eagle3": eagle3,
-            "eagle3 early exit": lambda: eagle3(early_exit=median_head_probability(eagle3(), target)),
+            "eagle3 early exit": lambda: eagle3(early_exit=median_exit_probability(eagle3(), target)),
+            "eagle3 confidence exit": lambda: eagle3(early_exit=median_exit_probability(eagle3(**confident), target),
+                                                     **confident),
             "dflash": dflash,
-            "dflash early exit": lambda: dflash(early_exit=median_head_probability(dflash(), target)),
+            "dflash early exit": lambda: dflash(early_exit=median_exit_probability(dflash(), target)),
+            "dflash confidence exit": lambda: dflash(early_exit=median_exit_probability(dflash(**confident), target),
+                                                     **confident),
             "hybrid": lambda: HybridDraft(eagle3()),
             "adaptive": lambda: AdaptiveDraft(independent()),
             # decode.py's lossy default: each source adapted apart, at block costs where drafting
@@ -53,17 +63,21 @@ def make_draft(kind: str, models, target, temperature, top_p, generator):
             }[kind]()
 
 
-def median_head_probability(draft, target) -> float:
-    """The median verification-head probability a random draft meets on sampled continuations:
-    as an early-exit threshold it stops some blocks early and lets others draft on."""
+def median_exit_probability(draft, target) -> float:
+    """The median early-exit signal (the draft's exit_signal: its head's probability or its own
+    confidence) a random draft meets on sampled continuations: as a threshold it stops some blocks
+    early and lets others draft on."""
     seen = []
-    hook = draft.net.verify_head.register_forward_hook(
-        lambda module, inputs, out: seen.extend(torch.sigmoid(out[..., 0]).flatten().tolist()))
+
+    def recorded(*args):
+        signal = exit_probability(*args)
+        seen.extend(signal.flatten().tolist())
+        return signal
     generator = torch.Generator().manual_seed(123)
-    draft.generator, draft.early_exit = generator, 0.0  # threshold 0: the head is read, never obeyed
-    for _ in range(20):
-        generate(target, FRESH, draft, None, k=3, max_new_tokens=6, temperature=T, generator=generator)
-    hook.remove()
+    draft.generator, draft.early_exit = generator, 0.0  # threshold 0: the signal is read, never obeyed
+    with mock.patch.object(eagle3, "exit_probability", recorded), mock.patch.object(dflash, "exit_probability", recorded):
+        for _ in range(20):
+            generate(target, FRESH, draft, None, k=3, max_new_tokens=6, temperature=T, generator=generator)
     return float(torch.tensor(seen).median())
 
 
@@ -104,8 +118,8 @@ def index_of(tokens):
 # -----------------------------------------------------------------------------
 # T = 0: every path is plain greedy decoding, token for token
 
-GREEDY_PATHS = ["lookup", "independent", "eagle3", "eagle3 early exit", "dflash", "dflash early exit", "hybrid",
-                "adaptive", "adaptive hybrid"]
+GREEDY_PATHS = ["lookup", "independent", "eagle3", "eagle3 early exit", "eagle3 confidence exit", "dflash",
+                "dflash early exit", "dflash confidence exit", "hybrid", "adaptive", "adaptive hybrid"]
 
 
 SLOW = pytest.mark.slow  # the same code path as a default-suite case; --runslow adds it
@@ -128,6 +142,34 @@ def test_greedy_paths_emit_plain_greedy_decoding(models, kind, int8, verifier):
         assert spec["tokens"] == plain, (kind, prompt)
 
 
+@pytest.mark.parametrize("kind", ["eagle3 confidence exit", "dflash confidence exit"])
+def test_confidence_exit_drafts_up_to_the_first_token_the_draft_doubts(models, kind):
+    """With --early-exit-signal confidence, each step's block holds exactly the drafted tokens
+    before the first whose probability under the draft (its top token's) falls below the
+    threshold; the threshold (the median) stops some blocks early and lets others run full."""
+    target = models["target"]
+    draft = make_draft(kind, models, target, 0.0, 1.0, None)
+    signals, blocks = [], []
+
+    def recorded(signal, logits, head_logits):
+        seen = exit_probability(signal, logits, head_logits)
+        assert signal == "confidence"
+        assert torch.allclose(seen, torch.softmax(logits.float(), -1).amax(-1))
+        signals.extend(seen.flatten().tolist())
+        return seen
+
+    def on_verify(p, q, guesses, n):
+        blocks.append((list(signals), len(guesses)))
+        signals.clear()
+    with mock.patch.object(eagle3, "exit_probability", recorded), mock.patch.object(dflash, "exit_probability", recorded):
+        out = generate(target, FRESH, draft, None, k=3, max_new_tokens=24, on_verify=on_verify)
+    assert out["tokens"] == generate(target, FRESH, max_new_tokens=24)["tokens"]
+    for seen, drafted in blocks:
+        doubted = [i for i, s in enumerate(seen) if s < draft.early_exit]
+        assert drafted == (doubted[0] if doubted else len(seen)), (seen, drafted)
+    assert any(d == 0 or d < len(s) for s, d in blocks) and any(d == 3 for _, d in blocks)
+
+
 # -----------------------------------------------------------------------------
 # T > 0: plain sampling and lossless verification emit the target's warped distribution
 
@@ -136,13 +178,16 @@ SAMPLING_PATHS = [("plain", False, 1.0, REPEATING), ("plain", False, 0.8, REPEAT
                   ("independent", False, 1.0, REPEATING), ("independent", False, 0.8, REPEATING),
                   ("independent", True, 1.0, REPEATING),
                   ("eagle3", False, 1.0, FRESH), ("eagle3 early exit", False, 1.0, FRESH),
+                  ("eagle3 confidence exit", False, 1.0, FRESH),
                   ("dflash", False, 1.0, FRESH), ("dflash early exit", False, 1.0, FRESH),
+                  ("dflash confidence exit", False, 1.0, FRESH),
                   ("hybrid", False, 1.0, REPEATING), ("hybrid", False, 1.0, FRESH),
                   ("adaptive", False, 1.0, FRESH), ("adaptive hybrid", False, 1.0, REPEATING)]
 SAMPLING_IDS = [f"{k}-{'int8' if i else 'fp32'}-top_p{p:g}-{'rep' if pr is REPEATING else 'fresh'}"
                 for k, i, p, pr in SAMPLING_PATHS]
 SAMPLING_SLOW = {"independent-fp32-top_p0.8-rep", "hybrid-fp32-top_p1-rep", "lookup-int8-top_p1-rep",
-                 "independent-int8-top_p1-rep", "dflash early exit-fp32-top_p1-fresh"}  # their parts run apart
+                 "independent-int8-top_p1-rep", "dflash early exit-fp32-top_p1-fresh",
+                 "dflash confidence exit-fp32-top_p1-fresh"}  # their parts run apart
 
 
 @pytest.mark.parametrize("kind,int8,top_p,prompt",

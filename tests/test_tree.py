@@ -142,7 +142,7 @@ from draft import HybridDraft, LookupDraft
 from dflash import DFlashDraft
 from eagle3 import Eagle3Draft
 from test_emits import (FRESH, REPEATING, T, assert_fits, continuation_distribution, index_of,  # noqa: E402
-                        median_head_probability)
+                        median_exit_probability)
 from conftest import dflash_net, eagle3_net  # noqa: E402
 
 BRANCHING = [1, 2, 3, 1, 2, 4, 1, 2]  # "1 2" was followed by 4 and by 3: a lookup tree branches at its root
@@ -202,16 +202,20 @@ def test_tree_depths():
 
 def tree_draft(kind: str, models, target, temperature=0.0, generator=None):
     sampling = dict(temperature=temperature, generator=generator)
-    eagle3 = lambda early_exit=None: Eagle3Draft(eagle3_net(target, draft_vocab=12), target.embed_tokens,  # noqa: E731
-                                                 target.max_seq_len, early_exit=early_exit, **sampling)
+    eagle3 = lambda early_exit=None, exit_signal="head": Eagle3Draft(  # noqa: E731
+        eagle3_net(target, draft_vocab=12), target.embed_tokens, target.max_seq_len, early_exit=early_exit,
+        exit_signal=exit_signal, **sampling)
+    confident = dict(exit_signal="confidence")
     return {"lookup": LookupDraft,
             "eagle3": eagle3,
-            "eagle3 early exit": lambda: eagle3(early_exit=median_head_probability(eagle3(), target)),
+            "eagle3 early exit": lambda: eagle3(early_exit=median_exit_probability(eagle3(), target)),
+            "eagle3 confidence exit": lambda: eagle3(early_exit=median_exit_probability(eagle3(**confident), target),
+                                                     **confident),
             "hybrid": lambda: HybridDraft(eagle3())}[kind]()
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
-@pytest.mark.parametrize("kind", ["lookup", "eagle3", "eagle3 early exit", "hybrid"])
+@pytest.mark.parametrize("kind", ["lookup", "eagle3", "eagle3 early exit", "eagle3 confidence exit", "hybrid"])
 def test_greedy_tree_decoding_is_plain_greedy_decoding(models, kind, int8):
     target = models["int8" if int8 else "target"]
     drafted = declined = 0
@@ -341,13 +345,15 @@ def test_cli_tree_flags(capsys):
 def test_bench_tree_specs():
     import bench
     from harness import speed
-    assert speed.parse_spec("lookup@tree16") == ("lookup", None, 16, False)
-    assert speed.parse_spec("drafts/x@ee0.2@tree8") == ("drafts/x", 0.2, 8, False)
-    assert speed.parse_spec("drafts/x@tree8@ee0.2") == ("drafts/x", 0.2, 8, False)  # in any order
-    assert speed.parse_spec("drafts/x@adapt@ee") == ("drafts/x", "auto", 0, True)
+    assert speed.parse_spec("lookup@tree16") == ("lookup", None, 16, False, "head")
+    assert speed.parse_spec("drafts/x@ee0.2@tree8") == ("drafts/x", 0.2, 8, False, "head")
+    assert speed.parse_spec("drafts/x@tree8@ee0.2") == ("drafts/x", 0.2, 8, False, "head")  # in any order
+    assert speed.parse_spec("drafts/x@adapt@ee") == ("drafts/x", "auto", 0, True, "head")
     assert speed.draft_label("drafts/x@ee@tree8") == "x +early-exit tree8"
-    assert speed.parse_spec("drafts/x@tree8@adapt") == ("drafts/x", None, 8, True)  # sized by cost
-    for spec in ("lookup@ee", "drafts/x@ee5", "drafts/x@eeabc",
+    assert speed.parse_spec("drafts/x@tree8@adapt") == ("drafts/x", None, 8, True, "head")  # sized by cost
+    assert speed.parse_spec("drafts/x@conf@ee0.4") == ("drafts/x", 0.4, 0, False, "confidence")
+    assert speed.draft_label("drafts/x@ee0.4@conf") == "x +early-exit by confidence 0.4"
+    for spec in ("lookup@ee", "drafts/x@ee5", "drafts/x@eeabc", "drafts/x@conf", "drafts/x@ee@conf1",
                  "lookup@tree0", "lookup@adapt@adapt", "lookup@fast"):
         with pytest.raises(SystemExit):
             bench.get_args(["--drafts", spec])
