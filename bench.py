@@ -180,9 +180,8 @@ def add_run_args(ap):
     committed = DEFAULT_DRAFTS.get(DEFAULT_TARGET)
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     g.add_argument("--drafts", default=default_drafts,
-                   help="comma-separated drafts as decode.py's --draft takes them, with suffixes in any "
-                        "order: @ee or @ee0.2 (early exit), @conf (early exit by the draft's confidence), "
-                        "@tree16 (trees), @adapt (adaptive length or tree size)")
+                   help="comma-separated drafts as decode.py's --draft takes them, with suffixes in any order: "
+                        "@ee or @ee0.2 (early exit), @conf (it reads the confidence), @tree16, @adapt")
     g.add_argument("--verifiers", default="greedy,lossless",
                    help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
                         "lossless (the same rule there) is left out if greedy is in")

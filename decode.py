@@ -59,13 +59,12 @@ def add_speculation_args(ap):
     g.add_argument("-k", "--num-draft-tokens", type=int, default=DECODE_K, help="tokens drafted per step")
     g.add_argument("--early-exit", nargs="?", const="auto", default="auto",
                    type=threshold,
-                   help="EAGLE-3/DFlash: stop drafting where the verification head's probability falls below "
-                        f"this. Default and bare flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT} "
-                        f"({CONFIDENCE_EXIT_DEFAULT} with --early-exit-signal confidence); 0: never")
+                   help="EAGLE-3/DFlash: stop drafting where the exit signal falls below this. Default and bare "
+                        f"flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT} (the confidence: "
+                        f"{CONFIDENCE_EXIT_DEFAULT}); 0: never")
     g.add_argument("--early-exit-signal", default="head", choices=EXIT_SIGNALS,
-                   help="what early exit reads: head, VAT's verification head (its probability that the token "
-                        "is kept), or confidence, the draft's own probability of its most likely token "
-                        "(EAGLE-2's signal; docs/exit-signal compares them)")
+                   help="what early exit reads: VAT's verification head (its probability that the token is "
+                        "kept) or the draft's confidence (its probability of its top token; docs/exit-signal)")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="draft each step the length (with --tree: EAGLE-3's tree size) that pays here; none: a "
                         "plain step. Default: on, off with --tree; --no-adaptive drafts -k tokens every step")

@@ -91,6 +91,7 @@ def test_a_tiny_temperature_decodes_with_a_tree_end_to_end(tiny_dir):
     (["--tree", "8", "--verifier", "none"], "with --verifier none nothing is drafted"),
     (["--tree", "100000"], "+ up to 100000 drafted a step needs"),
     (["--early-exit", "abc"], "--early-exit: invalid threshold value"),
+    (["--early-exit-signal", "entropy"], "--early-exit-signal: invalid choice: 'entropy'"),
     (["--seed", "99999999999999999999999"], "--seed must lie in [0, 2^63)"),
     (["--seed", "-1"], "--seed must lie in [0, 2^63)"),
     (["--max-seq-len", "-5"], "--max-seq-len must be >= 2, got -5"),

@@ -414,6 +414,7 @@ def plain_default():
     pytest.param(["--no-adaptive"], marks=pytest.mark.slow),  # (lookup every step: in the report's runs too)
     ["--tree", "8"],
     ["--draft", "drafts/smollm2-135m-eagle3-vat", "--early-exit"],
+    ["--draft", "drafts/smollm2-135m-eagle3-gsm8k-2ep", "--early-exit-signal", "confidence", "--no-adaptive"],
     ["--draft", "drafts/smollm2-135m-eagle3-chat"],  # the lossy verifiers' default draft, adaptive
     ["--draft", "drafts/smollm2-135m-eagle3-gsm8k-2ep", "--tree", "16"],
     pytest.param(["--draft", "drafts/smollm2-135m-eagle3-gsm8k", "--adaptive"], marks=pytest.mark.slow),  # (as -chat)
