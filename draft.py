@@ -69,7 +69,7 @@ def exit_probability(signal: str, logits: torch.Tensor, head_logits: torch.Tenso
     stops at the first token whose signal falls below the threshold. The confidence is read before
     temperature or top-p, so one threshold means the same at every temperature."""
     if signal == "head":
-        return torch.sigmoid(head_logits.float())
+        return torch.sigmoid(head_logits)
     return torch.softmax(logits.float(), -1).amax(-1)
 
 

@@ -442,8 +442,8 @@ def read_log(path: Path) -> list:
 # and at 0.5 they draft almost nothing.
 EARLY_EXIT_DEFAULT = 0.1
 # The threshold a bare --early-exit takes when the exit reads the draft's confidence instead
-# (--early-exit-signal confidence): recorded thresholds are the head's, whose probabilities sit
-# lower; chosen on GSM8K training questions (docs/exit-signal)
+# (--early-exit-signal confidence): recorded thresholds are the head's, a probability of another
+# kind; chosen on GSM8K training questions (docs/exit-signal)
 CONFIDENCE_EXIT_DEFAULT = 0.45
 
 

@@ -6,8 +6,8 @@ emitted plain decoding's tokens; and the records as results files keep them. ben
 experiments/report.py time with these.
 
 A run's draft is named as bench.py's --drafts take it: a draft as decode.py's --draft takes it,
-with suffixes @ee or @ee0.2 (early exit), @treeN (trees of N tokens) and @adapt (decode.py's
---adaptive).
+with suffixes @ee or @ee0.2 (early exit), @conf (the exit reads the draft's confidence, not its
+head), @treeN (trees of N tokens) and @adapt (decode.py's --adaptive).
 """
 import re
 import statistics
