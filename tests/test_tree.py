@@ -138,12 +138,11 @@ from engine import files as FL
 from engine import layouts as LY  # noqa: E402
 from speculative import generate  # noqa: E402
 from draft import tree_depths  # noqa: E402
-from draft import HybridDraft, LookupDraft
+from draft import LookupDraft
 from dflash import DFlashDraft
-from eagle3 import Eagle3Draft
 from test_emits import (FRESH, REPEATING, T, assert_fits, continuation_distribution, index_of,  # noqa: E402
-                        median_exit_probability)
-from conftest import dflash_net, eagle3_net  # noqa: E402
+                        make_draft)
+from conftest import dflash_net  # noqa: E402
 
 BRANCHING = [1, 2, 3, 1, 2, 4, 1, 2]  # "1 2" was followed by 4 and by 3: a lookup tree branches at its root
 
@@ -201,17 +200,9 @@ def test_tree_depths():
 # What tree decoding emits: plain greedy decoding at T = 0, the target's distribution at T > 0
 
 def tree_draft(kind: str, models, target, temperature=0.0, generator=None):
-    sampling = dict(temperature=temperature, generator=generator)
-    eagle3 = lambda early_exit=None, exit_signal="head": Eagle3Draft(  # noqa: E731
-        eagle3_net(target, draft_vocab=12), target.embed_tokens, target.max_seq_len, early_exit=early_exit,
-        exit_signal=exit_signal, **sampling)
-    confident = dict(exit_signal="confidence")
-    return {"lookup": LookupDraft,
-            "eagle3": eagle3,
-            "eagle3 early exit": lambda: eagle3(early_exit=median_exit_probability(eagle3(), target)),
-            "eagle3 confidence exit": lambda: eagle3(early_exit=median_exit_probability(eagle3(**confident), target),
-                                                     **confident),
-            "hybrid": lambda: HybridDraft(eagle3())}[kind]()
+    """The draft of each kind trees are drafted with, as test_emits builds it (lookup, EAGLE-3 with
+    and without early exit by either signal, the hybrid)."""
+    return make_draft(kind, models, target, temperature, 1.0, generator)
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
