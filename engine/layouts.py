@@ -1,8 +1,8 @@
 """
 A target ready to run on this machine: its weight layout, threads and compilation.
 
-A run has one model. `--dtype auto` picks one weight layout per CPU, torch version, thread count
-and model, and every forward of the run uses it: plain one-token steps, verification blocks, trees
+A run has one model. `--dtype auto` picks one weight layout per CPU, torch version and model,
+and every forward of the run uses it: plain one-token steps, verification blocks, trees
 and the prefill. So greedy speculation emits plain decoding's tokens bit for bit, and a run that
 drafts can always fall back to the plain step at the plain step's speed.
 
@@ -15,7 +15,10 @@ choice says so (inexact) and decode.py's default decodes plainly. The same probe
 1..16 tokens: the table AdaptiveDraft weighs a block's cost against its expected tokens with.
 
 Decisions are kept in LAYOUT_CACHE, whole and only when no other process kept a core busy while
-they were timed, keyed by the step code's digest too: new step code is timed anew, a new comment not.
+they were timed and their repeats agreed, keyed by the step code's digest too: new step code is
+timed anew, a new comment not. A kept choice stands until a trusted timing replaces it; where none
+was ever kept, a fixed order decides (FIXED_ORDER), so what a run prints never depends on how busy
+the machine was when it started. A kept timing that no forward could give is timed again.
 """
 import ast
 import hashlib
@@ -284,61 +287,85 @@ def step_code_digest() -> str:
     return hashlib.sha1("\n".join(trees).encode()).hexdigest()[:10]
 
 
-# Raised when the way the probes estimate a forward changes: decisions timed the old way are timed again.
-TIMING_METHOD = 2
+# Raised when the way the probes estimate a forward, or what an entry holds, changes: decisions
+# kept the old way are timed again.
+TIMING_METHOD = 3
 
 
-def cache_key(path: Path, what: str) -> str:
-    """What a kept decision holds for: the CPU, torch, threads, the model, the step's code
-    (step_code_digest) and the timing method."""
+def cache_key(path: Path, what: str, threads: bool = True) -> str:
+    """What a kept decision holds for: the CPU, torch, the model, the step's code
+    (step_code_digest), the timing method and, for timings, the thread count. The layout choice
+    leaves the thread count out: --threads auto takes fewer threads on a busy machine, and such a
+    run must decode in the layout a quiet run chose for the model on this machine."""
     cpu = cpu_description()
     step_code = f"{step_code_digest()} timing {TIMING_METHOD}"
     return " | ".join([cpu["cpu"], ",".join(cpu["cpu_features"]), f"torch {torch.__version__}",
-                       f"{torch.get_num_threads()} threads", str(Path(path).resolve()), what, f"step code {step_code}"])
+                       *([f"{torch.get_num_threads()} threads"] if threads else []),
+                       str(Path(path).resolve()), what, f"step code {step_code}"])
+
+
+NOTED = set()  # the notes this process has printed: each is said once
+
+
+def note_once(text: str):
+    if text not in NOTED:
+        NOTED.add(text)
+        print(f"note: {text}", file=sys.stderr)
 
 
 def read_cache() -> dict:
-    """The kept decisions; an unreadable cache is named and treated as empty (then rewritten)."""
+    """The kept decisions; an unreadable cache is named (once) and treated as empty (then rewritten)."""
     try:
         cache = json.loads(LAYOUT_CACHE.read_text()) if LAYOUT_CACHE.exists() else {}
     except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
         why = e.strerror if isinstance(e, OSError) else "not JSON"
-        print(f"note: {LAYOUT_CACHE} is unreadable ({why}): measuring the weight layouts again", file=sys.stderr)
+        note_once(f"{LAYOUT_CACHE} is unreadable ({why}): measuring the weight layouts again")
         return {}
     return cache if isinstance(cache, dict) else {}
 
 
-def keep(key: str, entry: dict, quiet: bool, agreed: bool = True):
-    """Add a decision to the cache if it was timed on a quiet machine and its repeated timings
-    agreed; a cache that cannot be written is named, and the run goes on with the decision it made."""
-    if not quiet or not agreed:
-        why = "another process kept a core busy" if not quiet else "the same step timed twice disagreed"
-        print(f"note: {why} while the weight layouts were timed: the choice is used for this run only",
-              file=sys.stderr)
-        return
-    cache = read_cache()
-    cache[key] = entry
-    write_cache(cache)
-
-
-def write_cache(cache: dict):
+def write_cache(cache: dict, failing: str) -> bool:
     """LAYOUT_CACHE rewritten whole; through a symbolic link, the file it points to (a shared
-    cache stays shared). One that cannot be written is named."""
+    cache stays shared). One that cannot be written is named, with `failing`: what that means for
+    the run. Returns whether it was written."""
     try:
         path = LAYOUT_CACHE.resolve() if LAYOUT_CACHE.is_symlink() else LAYOUT_CACHE
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps(cache, indent=1))
+        return True
     except (OSError, RuntimeError) as e:  # (RuntimeError: a loop of links)
-        print(f"note: the layout choice could not be kept in {LAYOUT_CACHE} ({getattr(e, 'strerror', None) or e}): "
-              f"it is used for this run only", file=sys.stderr)
+        note_once(f"{LAYOUT_CACHE} could not be written ({getattr(e, 'strerror', None) or e}): {failing}")
+        return False
+
+
+# Models whose kept entries this process no longer reads (--retime), whether or not the cache
+# could be rewritten without them.
+FORGOTTEN = set()
+
+
+def kept_entry(key: str):
+    """The cache's entry at `key`, or None where --retime set this model's entries aside."""
+    if any(f" | {model} | " in key for model in FORGOTTEN):
+        return None
+    return read_cache().get(key)
+
+
+def keep(key: str, entry: dict, not_kept: str | None):
+    """Add a decision to the cache, unless not_kept says why its timing cannot be trusted."""
+    if not_kept:
+        note_once(f"{not_kept} while the block costs were timed: they steer --adaptive for this run only")
+        return
+    cache = read_cache()
+    cache[key] = entry
+    write_cache(cache, "the timing is used for this run only")
 
 
 # A kept timing is trusted until a run shows it was disturbed: a run whose forwards take less than
 # the kept one-token step / RUN_MARGIN measured what the probes could not have (a busy machine only
-# slows a timing down), and its entry is marked stale, to be timed again at the next start. The
-# margin leaves room for the probes' cold-cache estimate, which a warm run beats a little.
+# slows a timing down), and its entry is marked stale, to be timed again at the next quiet start.
+# The margin leaves room for the probes' cold-cache estimate, which a warm run beats a little.
 RUN_MARGIN = 1.5
-# Two timings of the same one-token step that part by more than this are not kept.
+# Two timings of the same one-token step that part by more than this are not trusted.
 REPEAT_AGREEMENT = 1.25
 
 
@@ -348,32 +375,37 @@ def agree(a: float, b: float) -> bool:
 
 def recheck_kept_timing(path: Path, layout: str, auto: bool, step_ms: float, context: int) -> bool:
     """After a run: compare its measured time a forward, step_ms at about `context` cached tokens,
-    with the kept entry it decoded by (auto's choice, or the block table of a layout named); where
-    the run was faster by more than RUN_MARGIN, mark the entry stale (timed again at the next
-    start). Returns whether it did."""
-    key = cache_key(path, "layout" if auto else f"blocks {layout}")
+    with the kept block table it decoded by; where the run was faster by more than RUN_MARGIN,
+    mark it stale, and auto's choice with it (timed again at the next quiet start). Returns
+    whether it did."""
+    blocks_key, choice_key = cache_key(path, f"blocks {layout}"), cache_key(path, "layout", threads=False)
     cache = read_cache()
-    entry = cache.get(key)
-    if not valid_block_table(entry) or not (finite(step_ms) and step_ms > 0):
+    entry = cache.get(blocks_key)
+    if impossible_blocks(entry) or "stale" in entry or not (finite(step_ms) and step_ms > 0):
         return False
     kept = float(entry["blocks_ms"]["1"]) + float(entry["attention_ms_per_key"]) * max(context - 64, 0)
     if step_ms * RUN_MARGIN >= kept:
         return False
-    entry["stale"] = f"a run measured {step_ms:.1f} ms a forward against {kept:.1f} kept"
-    write_cache(cache)  # (silently: the next start says it is timing the layouts)
+    why = f"a run measured {step_ms:.1f} ms a forward against {kept:.1f} kept"
+    for key in [blocks_key] + ([choice_key] if auto and isinstance(cache.get(choice_key), dict) else []):
+        cache[key]["stale"] = why
+    write_cache(cache, "a kept timing that a run outpaced could not be marked to be timed again")
     return True
 
 
 def forget_timings(path: Path) -> int:
-    """Drop every kept decision for the model at `path` (decode.py --retime): the next load times
-    again. Returns how many were dropped."""
+    """Drop every kept decision for the model at `path` (decode.py --retime): this process reads
+    none of them again, and the next load times again. Returns how many the cache held."""
     model = str(Path(path).resolve())
+    FORGOTTEN.add(model)
+    for memo in [memo for memo in CHOSEN if f" | {model} | " in memo[1]]:
+        del CHOSEN[memo]
     cache = read_cache()
     dropped = [key for key in cache if f" | {model} | " in key]
     for key in dropped:
         del cache[key]
     if dropped:
-        write_cache(cache)
+        write_cache(cache, "they stay there, and this run times the layouts again without them")
     return len(dropped)
 
 
@@ -386,36 +418,113 @@ def valid_ms(table) -> bool:
     return isinstance(table, dict) and bool(table) and all(finite(v) and v > 0 for v in table.values())
 
 
-def valid_block_table(entry) -> bool:
-    """Every block size timed (and no other key), attention's cost per cached key, and no run has
-    shown it stale."""
-    return isinstance(entry, dict) and valid_ms(entry.get("blocks_ms")) and finite(entry.get("attention_ms_per_key")) \
-        and set(entry["blocks_ms"]) == {str(b) for b in BLOCKS} and "stale" not in entry
+# What a timing must be to be possible. A busy machine, a disturbed repeat or a hand edit can leave
+# a timing no quiet forward could give: such an entry is timed again, never used as it is.
+NOISE = 1.1  # a longer block may time this much cheaper than a shorter one, no more
+STEP_MS = (1e-3, 1e4)  # a forward of the whole model takes between a microsecond and ten seconds
+ATTENTION_STEPS = 4  # a query's attention over LONG_CONTEXT cached keys: at most this many steps (the
+# keys and values of a thousand tokens are a fraction of the weights a step reads, for any model here)
 
 
-def valid_choice(entry) -> bool:
-    """A whole decision: a known layout, timed among the others (ms), its block table."""
-    return isinstance(entry, dict) and entry.get("layout") in LAYOUTS and valid_ms(entry.get("ms")) \
-        and entry["layout"] in entry["ms"] and set(entry["ms"]) <= set(LAYOUTS) \
-        and isinstance(entry.get("inexact"), list) and valid_block_table(entry)
+def impossible_blocks(entry) -> str | None:
+    """Why a block table is not a possible measurement, or None: every timed block size, none
+    cheaper than a shorter block or a one-token step, a block of n no dearer than n one-token
+    steps (a block reads the weights once), attention's cost per cached key finite and bounded."""
+    if not isinstance(entry, dict) or not valid_ms(entry.get("blocks_ms")) or \
+            set(entry["blocks_ms"]) != {str(b) for b in BLOCKS}:
+        return "a block size untimed"
+    ms = [float(entry["blocks_ms"][str(b)]) for b in BLOCKS]
+    one = ms[0]
+    if not STEP_MS[0] <= one <= STEP_MS[1]:
+        return f"a one-token step of {one:g} ms"
+    for (a, ms_a), (b, ms_b) in zip(zip(BLOCKS, ms), zip(BLOCKS[1:], ms[1:])):
+        if ms_b * NOISE < ms_a:
+            return f"a block of {b} ({ms_b:g} ms) cheaper than a block of {a} ({ms_a:g} ms)"
+    for b, ms_b in zip(BLOCKS, ms):
+        if ms_b * NOISE < one or ms_b > NOISE * b * one:
+            return f"a block of {b} ({ms_b:g} ms) against a one-token step of {one:g} ms"
+    per_key = entry.get("attention_ms_per_key")
+    if not finite(per_key) or per_key * LONG_CONTEXT > ATTENTION_STEPS * one:
+        return f"an attention cost of {per_key} ms a cached key"
+    return None
+
+
+def impossible_choice(entry, candidates: list) -> str | None:
+    """Why a kept layout choice is not a possible measurement here, or None: a layout this CPU
+    times (layout_candidates), the fastest of its timed candidates, each a possible step."""
+    if not isinstance(entry, dict) or entry.get("layout") not in candidates:
+        return f"the layout {entry.get('layout') if isinstance(entry, dict) else None!r}, not a candidate here"
+    ms = entry.get("ms")
+    if not valid_ms(ms) or not set(ms) <= set(candidates) or entry["layout"] not in ms:
+        return "timings of layouts that are not candidates here"
+    if not all(STEP_MS[0] <= v <= STEP_MS[1] for v in ms.values()):
+        return f"a one-token step of {min(ms.values()):g} to {max(ms.values()):g} ms"
+    if ms[entry["layout"]] > min(ms.values()):
+        return "a layout slower than another it was timed against"
+    inexact, threads = entry.get("inexact"), entry.get("threads")
+    if not isinstance(inexact, list) or not set(inexact) <= set(ms) or not isinstance(threads, int) or threads < 1:
+        return "no exactness verdict"
+    return None
+
+
+# Where no trusted timing was ever kept (a busy machine, repeats that disagree), the layout is the
+# first of this order that the CPU can run exactly: the same for every such run, so what a run
+# prints never depends on how busy the machine was when it started. int4 first where the weights
+# are 4-bit at their source (only the scales round); fp32 packed, always exact, last.
+FIXED_ORDER = ("int4", "bfloat16-packed", "float32-packed")
+
+CHOSEN = {}  # (cache, key) -> this process's decisions: one model per process, whatever later timings say
 
 
 def choose_layout(path: Path) -> dict:
-    """{layout, ms, inexact, blocks_ms, attention_ms_per_key}: the layout of this machine's runs of
-    the model at `path` (the fastest estimated one-token step, ms), the candidates whose blocks
-    part from one-token steps here (inexact: where the chosen one is among them, drafting would
-    change the output and the default decodes plainly), and the chosen layout's estimated forward
-    of each block size. Measured once on probes, one alive at a time (see the module docstring),
-    then read from LAYOUT_CACHE."""
-    key = cache_key(path, "layout")
-    known = read_cache().get(key)
-    if valid_choice(known):
-        return known
+    """{layout, ms, inexact, threads, blocks_ms, attention_ms_per_key}: the layout of this
+    machine's runs of the model at `path` (the fastest estimated one-token step, ms), the
+    candidates whose blocks part from one-token steps here (inexact: where the chosen one is among
+    them, drafting would change the output and the default decodes plainly), the thread count
+    they were timed at, and the chosen layout's block table at this run's thread count
+    (block_table). Measured once on probes, one alive at a time (see the module docstring), on a
+    quiet machine, then read from LAYOUT_CACHE; where no such timing was ever kept, FIXED_ORDER
+    decides (with ms {} and `fixed`: why)."""
+    memo = (str(LAYOUT_CACHE), cache_key(path, "layout", threads=False))
+    if memo not in CHOSEN:
+        CHOSEN[memo] = decide_layout(path, memo[1])
+    choice = CHOSEN[memo]
+    return {**choice, **block_table(path, choice["layout"])}
+
+
+def decide_layout(path: Path, key: str) -> dict:
+    """choose_layout's decision: a kept one, a trusted timing now, a kept stale one, or FIXED_ORDER."""
+    candidates = layout_candidates(path)
+    kept = kept_entry(key)
+    problem = impossible_choice(kept, candidates) if kept is not None else None
+    if problem:
+        note_once(f"the kept layout choice for {path} cannot be a timing ({problem}): it is timed again")
+        kept = None
+    if kept and "stale" not in kept:
+        return kept
+    if not machine_is_quiet():
+        why = "another process keeps a core busy"
+    else:
+        timed, why = time_layouts(path, candidates)
+        if timed:
+            cache = read_cache()
+            cache[key] = timed
+            write_cache(cache, "the layout choice is used for this run only")
+            return timed
+    if kept:  # a choice stands until a trusted timing replaces it
+        note_once(f"{why}: the weight layouts are not timed again now, and the kept choice ({kept['layout']}) stands")
+        return kept
+    return fixed_choice(path, candidates, why)
+
+
+def time_layouts(path: Path, candidates: list) -> tuple:
+    """(a choice, None) from timing every candidate on probes, or (None, why the timing cannot be
+    trusted): another process took a core meanwhile, the fastest candidate's step timed again
+    parts from its first timing, or a timing that is not possible."""
     n_layer = int(read_config(path).get("num_hidden_layers") or 1)
-    quiet = machine_is_quiet()
     ms, inexact = {}, []
     context = LONG_CONTEXT + max(BLOCKS)  # (a probe's cache is small whatever the run's context)
-    for layout in tqdm(layout_candidates(path), desc="timing weight layouts (once per CPU)", file=sys.stderr):
+    for layout in tqdm(candidates, desc="timing weight layouts (once per CPU)", file=sys.stderr):
         one, probe, _ = estimated_ms(path, layout, context, n_layer, (1,))
         ms[layout] = one[1]
         if inexact_blocks(probe, layout):
@@ -423,12 +532,35 @@ def choose_layout(path: Path) -> dict:
         del probe
         release_memory()
     best = min(ms, key=ms.get)
-    kept = kept_block_table(path, best)  # (a run that named the layout timed its blocks already)
-    table, agreed = (kept, True) if kept else measure_blocks(path, best, n_layer)
-    entry = {"layout": best, "ms": ms, "inexact": inexact, **table, "date": time.strftime("%Y-%m-%d")}
-    # the block table's one-token step times the chosen layout's again: a second repeat
-    keep(key, entry, quiet and machine_is_quiet(), agreed and agree(ms[best], table["blocks_ms"]["1"]))
-    return entry
+    again = estimated_ms(path, best, context, n_layer, (1,))[0][1]
+    release_memory()
+    choice = {"layout": best, "ms": ms, "inexact": inexact, "threads": torch.get_num_threads(),
+              "date": time.strftime("%Y-%m-%d")}
+    if not machine_is_quiet():
+        return None, "another process took a core while the weight layouts were timed"
+    if not agree(ms[best], again):
+        return None, f"the {best} step timed twice disagreed ({ms[best]:.1f} and {again:.1f} ms)"
+    problem = impossible_choice(choice, candidates)
+    return (None, f"the layout timings are not possible ({problem})") if problem else (choice, None)
+
+
+def fixed_choice(path: Path, candidates: list, why: str) -> dict:
+    """The first layout of FIXED_ORDER among the candidates whose blocks give the bits of
+    one-token steps here (checked on a probe: bits, not times, so a busy machine does not change
+    the verdict)."""
+    for layout in [layout for layout in FIXED_ORDER if layout in candidates]:
+        if layout not in EXACT_LAYOUTS:
+            break
+        probe = build_target(path, layout, "cpu", 64 + max(BLOCKS), n_layer=PROBE_LAYERS, vocab=PROBE_VOCAB)
+        exact = not inexact_blocks(probe, layout)
+        del probe
+        release_memory()
+        if exact:
+            break
+    note_once(f"{why} and no trusted layout timing is kept for this model: its weights run in {layout}, the first "
+              f"exact layout of a fixed order ({', '.join(FIXED_ORDER)}), as in every such run; run decode.py "
+              f"--retime with nothing else busy to time them")
+    return {"layout": layout, "ms": {}, "inexact": [], "threads": torch.get_num_threads(), "fixed": why}
 
 
 def measure_blocks(path: Path, layout: str, n_layer: int) -> tuple:
@@ -474,28 +606,32 @@ def release_memory(collect: bool = True):
         glibc().malloc_trim(0)
 
 
-def kept_block_table(path: Path, layout: str) -> dict | None:
-    """A layout's kept block table: its own entry, or auto's decision where auto chose it; None."""
-    cache = read_cache()
-    named, auto = cache.get(cache_key(path, f"blocks {layout}")), cache.get(cache_key(path, "layout"))
-    if valid_block_table(named):
-        return {k: named[k] for k in ("blocks_ms", "attention_ms_per_key")}
-    if valid_choice(auto) and auto["layout"] == layout:
-        return {k: auto[k] for k in ("blocks_ms", "attention_ms_per_key")}
-    return None
-
-
 def block_table(path: Path, layout: str) -> dict:
-    """The block table (measure_blocks) of a layout asked for by name (auto's comes with its
-    choice), measured once and kept as auto's decision is."""
+    """{blocks_ms, attention_ms_per_key} of `layout` at this run's thread count (measure_blocks):
+    kept where a quiet machine timed it; timed otherwise, and kept where the timing can be trusted.
+    A stale table stands on a busy machine. These steer --adaptive's block lengths only: they
+    never change what a run prints."""
     key = cache_key(path, f"blocks {layout}")
-    known = kept_block_table(path, layout)
-    if known:
-        return known
+    memo = (str(LAYOUT_CACHE), key)
+    if memo in CHOSEN:
+        return CHOSEN[memo]
+    kept = kept_entry(key)
+    problem = impossible_blocks(kept) if kept is not None else None
+    if problem:
+        note_once(f"the kept {layout} block costs for {path} cannot be a timing ({problem}): they are timed again")
+        kept = None
     quiet = machine_is_quiet()
-    table, agreed = measure_blocks(path, layout, int(read_config(path).get("num_hidden_layers") or 1))
-    keep(key, table, quiet and machine_is_quiet(), agreed)
-    return table
+    if kept and ("stale" not in kept or not quiet):
+        table = kept
+    else:
+        table, agreed = measure_blocks(path, layout, int(read_config(path).get("num_hidden_layers") or 1))
+        problem = impossible_blocks(table)
+        not_kept = ("another process kept a core busy" if not (quiet and machine_is_quiet()) else
+                    "the same step timed twice disagreed" if not agreed else
+                    f"a timing that is not possible ({problem})" if problem else None)
+        keep(key, {**table, "date": time.strftime("%Y-%m-%d")}, not_kept)
+    CHOSEN[memo] = {k: table[k] for k in ("blocks_ms", "attention_ms_per_key")}
+    return CHOSEN[memo]
 
 
 def block_costs(blocks_ms: dict, max_block: int) -> list:
@@ -510,8 +646,10 @@ def block_costs(blocks_ms: dict, max_block: int) -> list:
         hi = next((i for i, s in enumerate(sizes) if s > b), len(sizes) - 1)
         lo = hi - 1
         return ms[lo] + (ms[hi] - ms[lo]) * (b - sizes[lo]) / (sizes[hi] - sizes[lo])
-    costs = [max(at(b) / ms[0], 1.0) for b in range(1, max_block + 1)]
-    return [max(costs[:n + 1]) for n in range(len(costs))]  # a longer block never costs less (timing noise)
+    # a block costs at least a one-token step and at most one a token (it reads the weights once),
+    # and a longer block never costs less: timing noise cannot say otherwise
+    costs = [min(max(at(b) / ms[0], 1.0), b) for b in range(1, max_block + 1)]
+    return [max(costs[:n + 1]) for n in range(len(costs))]
 
 
 def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int):
@@ -559,11 +697,12 @@ def run_block_costs(target: M.Transformer, choice: dict) -> tuple:
 
 def drafting_is_exact(target: M.Transformer, choice: dict, block: int, step=None) -> bool:
     """Whether verification blocks give the bits of one-token steps in the run's layout: as auto's
-    probe saw it, or, for a coarse layout asked for by name, checked now on blocks of `block` tokens
+    probe saw it at this thread count, or, for a coarse layout asked for by name or at another
+    thread count (the bits of a block can depend on it), checked now on blocks of `block` tokens
     with the run's forward `step` (default the target's own; fp32's blocks differ from its steps
     by 2^-24 relative at most, which EXACT_LAYOUTS says)."""
-    if choice and step is None:  # (auto's probe timed eager forwards, not compiled ones)
-        return choice["layout"] not in choice["inexact"]
+    if choice and step is None and choice.get("threads") == torch.get_num_threads():
+        return choice["layout"] not in choice["inexact"]  # (auto's probe ran eager forwards, not compiled ones)
     return layout_of(target) not in EXACT_LAYOUTS or target.embed_tokens.weight.device.type != "cpu" \
         or blocks_match_steps(target, block, step=step)
 
@@ -572,6 +711,8 @@ def layout_reason(target: M.Transformer, choice: dict) -> str:
     """One line on why a run's weights are in their layout (choice: auto's decision, or {})."""
     if not choice:
         return f"{layout_of(target)} weights, as asked"
+    if not choice["ms"]:
+        return f"{layout_of(target)} weights: auto's fixed order, no trusted timing kept here ({choice['fixed']})"
     others = ", ".join(f"{layout} {ms:.1f}" for layout, ms in choice["ms"].items() if layout != choice["layout"])
     return (f"{layout_of(target)} weights: auto's fastest one-token step here, {choice['ms'][choice['layout']]:.1f} "
             f"ms (est.; {others})")

@@ -214,7 +214,8 @@ def print_auto_choice(target_name: str, choice: dict, k: int):
     if not choice:
         return
     cost = block_cost_model(choice, choice["layout"] in ("bfloat16-packed", "bfloat16", "int8", "int4"))
-    print(f"\n--dtype auto for {target_name} here: {choice['layout']}, the fastest estimated one-token step "
+    why = "the fastest estimated one-token step" if choice["ms"] else f"the fixed order ({choice['fixed']})"
+    print(f"\n--dtype auto for {target_name} here: {choice['layout']}, {why} "
           f"(drafting {'exact' if choice['layout'] not in choice['inexact'] else 'NOT exact: the default decodes plainly'})")
     print("| layout | one-token step (ms, est.) | blocks exact |\n|---|---|---|")
     for layout, ms in sorted(choice["ms"].items(), key=lambda item: item[1]):

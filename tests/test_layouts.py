@@ -14,6 +14,14 @@ import model as M
 from tokenizer import load_tokenizer
 
 
+@pytest.fixture(autouse=True)
+def a_new_process(monkeypatch):
+    """Each test starts as a new process does: no decision of this process's, nothing set aside."""
+    monkeypatch.setattr(LY, "CHOSEN", {})
+    monkeypatch.setattr(LY, "FORGOTTEN", set())
+    monkeypatch.setattr(LY, "NOTED", set())
+
+
 @pytest.fixture
 def six_layers(tmp_path):
     """A tiny checkpoint with more layers than a probe holds, and a tokenizer."""
@@ -59,7 +67,8 @@ def counting_builds(monkeypatch) -> list:
 def test_auto_chooses_one_layout_on_probes_and_keeps_it(six_layers, tmp_path, monkeypatch, capsys):
     """--dtype auto: each candidate is timed on a probe of PROBE_LAYERS layers (never a copy of the
     whole model), the one-token step decides, one model is built in the chosen layout, and the
-    decision (with its block table) is kept in a cache folder made when missing and read back."""
+    decision and its block table are kept in a cache folder made when missing and read back. The
+    choice stands for the model on this machine at any thread count; block costs are per count."""
     cache = tmp_path / "not-yet" / "layouts.json"
     monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
@@ -69,23 +78,27 @@ def test_auto_chooses_one_layout_on_probes_and_keeps_it(six_layers, tmp_path, mo
     target, _, choice = LY.load_target(str(six_layers), "cpu", "auto", 64)
     assert LY.layout_of(target) == "float32" and choice["layout"] == "float32"
     candidates = LY.layout_candidates(six_layers)
-    # a probe per candidate, the chosen one's again for its block table, then the one model that runs
-    assert built == [0, LY.PROBE_LAYERS] * (len(candidates) + 1) + [6]  # (the head alone, then the layers)
+    # a probe per candidate, the chosen one's again (its repeat) and for its block table, then the model
+    assert built == [0, LY.PROBE_LAYERS] * (len(candidates) + 2) + [6]  # (the head alone, then the layers)
     assert {layout for layout, block, _ in timed if block == 1} == set(candidates)
     assert "int4" not in candidates  # its weights are not 4-bit at their source
     assert {n for _, _, n in timed} == {0, LY.PROBE_LAYERS}  # head alone, and head + probe layers
-    entry = json.loads(cache.read_text()).popitem()[1]
-    assert entry["layout"] == "float32" and set(entry["blocks_ms"]) == {str(b) for b in LY.BLOCKS}
+    kept = json.loads(cache.read_text())
+    entry = kept[LY.cache_key(six_layers, "layout", threads=False)]
+    blocks = kept[LY.cache_key(six_layers, "blocks float32")]
+    assert entry["layout"] == "float32" and set(blocks["blocks_ms"]) == {str(b) for b in LY.BLOCKS}
     # estimated whole-model forward = head + n_layer * one layer
     assert entry["ms"]["float32"] == pytest.approx(7 * 1.0, rel=1e-3)
+    LY.CHOSEN.clear()  # (a new process)
     timed.clear(), built.clear()
     assert LY.layout_of(LY.load_target(str(six_layers), "cpu", "auto", 64)[0]) == "float32"
     assert not timed and built == [6]
     before = torch.get_num_threads()
     torch.set_num_threads(1 if before > 1 else 2)
-    try:  # another thread count: another decision
-        LY.load_target(str(six_layers), "cpu", "auto", 64)
-        assert timed
+    try:  # another thread count: the same layout, its block costs timed at this count
+        LY.CHOSEN.clear()
+        assert LY.choose_layout(six_layers)["layout"] == "float32"
+        assert timed and {layout for layout, _, _ in timed} == {"float32"}
     finally:
         torch.set_num_threads(before)
 
@@ -121,10 +134,10 @@ SLOW = pytest.mark.slow  # the same code path as a default-suite case; --runslow
 
 @pytest.mark.parametrize("damage", ["not json", pytest.param("no ms", marks=SLOW), "layout not timed",
                                     pytest.param("block 1.5", marks=SLOW), pytest.param("a directory", marks=SLOW),
-                                    "unwritable", "busy"])
+                                    "unwritable"])
 def test_the_layout_cache_holds_only_whole_quiet_decisions(six_layers, tmp_path, monkeypatch, capsys, damage):
     """A damaged cache is measured again (named where it cannot be read or kept, and the run goes
-    on); a decision timed beside a busy core is used but not kept."""
+    on)."""
     cache = tmp_path / "layouts.json"
     monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
     quiet = [True]
@@ -132,8 +145,9 @@ def test_the_layout_cache_holds_only_whole_quiet_decisions(six_layers, tmp_path,
     timed = []
     fake_timing(monkeypatch, {"float32": 1.0}, timed)
     LY.choose_layout(six_layers)
-    key, entry = json.loads(cache.read_text()).popitem()
-    timed.clear()
+    key = LY.cache_key(six_layers, "layout", threads=False)
+    entry = json.loads(cache.read_text())[key]
+    timed.clear(), LY.CHOSEN.clear()
     if damage == "not json":
         cache.write_text("{not json")
     elif damage == "no ms":
@@ -141,72 +155,77 @@ def test_the_layout_cache_holds_only_whole_quiet_decisions(six_layers, tmp_path,
     elif damage == "layout not timed":  # its chosen layout absent from its own timings
         cache.write_text(json.dumps({key: {**entry, "ms": {"bfloat16": 1.0}}}))
     elif damage == "block 1.5":
-        cache.write_text(json.dumps({key: {**entry, "blocks_ms": {**entry["blocks_ms"], "1.5": 1.0}}}))
+        blocks_key = LY.cache_key(six_layers, "blocks float32")
+        blocks = json.loads(cache.read_text())[blocks_key]
+        cache.write_text(json.dumps({blocks_key: {**blocks, "blocks_ms": {**blocks["blocks_ms"], "1.5": 1.0}}}))
     elif damage == "a directory":
         cache.unlink()
         cache.mkdir()
     elif damage == "unwritable":
         monkeypatch.setattr(LY, "write_atomically", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
         cache.unlink()
-    else:
-        cache.unlink()
-        quiet[0] = False
     capsys.readouterr()
     assert LY.choose_layout(six_layers)["layout"] == "float32" and timed
     err = capsys.readouterr().err
     if damage in ("not json", "a directory"):
         assert "is unreadable" in err
     if damage in ("a directory", "unwritable"):
-        assert "could not be kept" in err and "\n" not in err.strip().splitlines()[-1]
-    if damage == "busy":
-        assert not cache.exists() and "used for this run only" in err
-    if damage in ("no ms", "layout not timed", "block 1.5"):  # measured again, kept whole
-        assert LY.valid_choice(json.loads(cache.read_text())[key])
+        assert "could not be written" in err and "used for this run only" in err
+    if damage in ("no ms", "layout not timed"):  # measured again, kept whole
+        assert LY.impossible_choice(json.loads(cache.read_text())[key], LY.layout_candidates(six_layers)) is None
+    if damage == "block 1.5":
+        assert LY.impossible_blocks(json.loads(cache.read_text())[LY.cache_key(six_layers, "blocks float32")]) is None
 
 
 def test_timings_that_disagree_between_repeats_are_not_kept(six_layers, tmp_path, monkeypatch, capsys):
-    """The chosen layout's one-token step is timed more than once (its estimate, its block table's
-    first entry, a repeat at the end): where the repeats part, the machine was disturbed between
-    them, and the decision is used for this run only."""
+    """The fastest layout's one-token step is timed again after the others: where the repeats part,
+    the machine was disturbed between them, and the timing is neither kept nor used: the fixed
+    order decides, as it does for every run that has no trusted timing."""
     cache = tmp_path / "layouts.json"
     monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)  # (bursts between the quiet checks)
+    monkeypatch.setattr(LY, "blocks_match_steps", lambda target, block, trials=3, step=None: True)
     timed = []
     fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
     real = LY.step_seconds
 
     def disturbed(target, block, *args, **kwargs):  # the later one-token timings of float32 run 3x slower
-        slow = block == 1 and sum(1 for layout, b, _ in timed if b == 1 and layout == "float32") > 2
+        slow = block == 1 and sum(1 for layout, b, _ in timed if b == 1 and layout == "float32") > 3
         return real(target, block, *args, **kwargs) * (3.0 if slow else 1.0)
     monkeypatch.setattr(LY, "step_seconds", disturbed)
     capsys.readouterr()
-    assert LY.choose_layout(six_layers)["layout"] == "float32"
-    assert not cache.exists() and "timed twice disagreed" in capsys.readouterr().err
+    choice = LY.choose_layout(six_layers)
+    assert choice["layout"] == [x for x in LY.FIXED_ORDER if x in LY.layout_candidates(six_layers)][0]
+    assert choice["ms"] == {} and "timed twice disagreed" in choice["fixed"]
+    assert LY.cache_key(six_layers, "layout", threads=False) not in LY.read_cache()
+    assert "fixed order" in capsys.readouterr().err
 
 
 def test_a_kept_timing_that_a_run_outpaces_is_timed_again(six_layers, tmp_path, monkeypatch):
     """A kept decision timed on a busy machine makes every later run weigh blocks wrongly: a run
     whose forwards are much faster than the kept step (RUN_MARGIN) marks it stale, and the next
-    start times the layouts again; --retime (forget_timings) drops them on demand. A run about as
-    fast as the kept timing leaves it alone."""
+    quiet start times the layouts again; --retime (forget_timings) drops them on demand. A run
+    about as fast as the kept timing leaves it alone."""
     cache = tmp_path / "layouts.json"
     monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     timed = []
-    fake_timing(monkeypatch, {"float32": 20.0}, timed)
+    fake_timing(monkeypatch, {"float32": 20.0, "float32-packed": 40.0, "bfloat16-packed": 40.0, "bfloat16": 40.0},
+                timed)
     kept = LY.choose_layout(six_layers)
     step = kept["blocks_ms"]["1"]
+    keys = LY.cache_key(six_layers, "layout", threads=False), LY.cache_key(six_layers, "blocks float32")
     assert not LY.recheck_kept_timing(six_layers, "float32", True, step / 1.2, 64)  # within the margin
-    assert LY.valid_choice(json.loads(cache.read_text()).popitem()[1])
+    assert not any("stale" in json.loads(cache.read_text())[key] for key in keys)
     assert LY.recheck_kept_timing(six_layers, "float32", True, step / 3, 64)
-    assert not LY.valid_choice(json.loads(cache.read_text()).popitem()[1])  # stale
-    timed.clear()
+    assert all("stale" in json.loads(cache.read_text())[key] for key in keys)
+    timed.clear(), LY.CHOSEN.clear()
     LY.choose_layout(six_layers)
-    assert timed and LY.valid_choice(json.loads(cache.read_text()).popitem()[1])  # timed again, kept
-    timed.clear()
+    assert timed and not any("stale" in json.loads(cache.read_text())[key] for key in keys)  # timed again, kept
+    timed.clear(), LY.CHOSEN.clear()
     LY.choose_layout(six_layers)
     assert not timed
-    assert LY.forget_timings(six_layers) == 1 and LY.forget_timings(six_layers) == 0
+    assert LY.forget_timings(six_layers) == 2 and LY.forget_timings(six_layers) == 0
     assert json.loads(cache.read_text()) == {}  # (so the next start times again)
 
 
@@ -221,7 +240,7 @@ def test_a_cache_that_is_a_link_is_written_through_it(six_layers, tmp_path, monk
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     fake_timing(monkeypatch, {"float32": 1.0}, [])
     LY.choose_layout(six_layers)
-    assert link.is_symlink() and LY.valid_choice(json.loads(shared.read_text()).popitem()[1])
+    assert link.is_symlink() and json.loads(shared.read_text())[LY.cache_key(six_layers, "layout", threads=False)]
 
 
 def test_the_probe_estimates_a_whole_forward(six_layers, monkeypatch):
@@ -343,8 +362,8 @@ def test_kept_decisions_key_on_the_step_code_not_its_text(tmp_path, monkeypatch)
 
 
 def test_a_layouts_blocks_are_timed_once_whoever_asks_first(six_layers, tmp_path, monkeypatch):
-    """auto's decision carries its layout's block table, and a run that names that layout reads it
-    from there; a table kept for a layout named first serves auto's choice of it."""
+    """A layout's block table is kept once: auto's choice of it and a run that names it read the
+    same entry, whichever timed it first."""
     monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "layouts.json")
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     timed = []
@@ -355,5 +374,155 @@ def test_a_layouts_blocks_are_timed_once_whoever_asks_first(six_layers, tmp_path
     LY.forget_timings(six_layers)
     table = LY.block_table(six_layers, "float32")
     timed.clear()
+    LY.FORGOTTEN.clear()  # (a new process)
     assert LY.choose_layout(six_layers)["blocks_ms"] == table["blocks_ms"]
     assert {block for _, block, _ in timed} == {1}  # the candidates' one-token steps only
+
+
+def first_exact_of_the_fixed_order(path) -> str:
+    """The layout FIXED_ORDER gives the model at `path` here: its probe's verdicts are bits, not times."""
+    for layout in [x for x in LY.FIXED_ORDER if x in LY.layout_candidates(path)]:
+        probe = LY.build_target(path, layout, "cpu", 80, n_layer=LY.PROBE_LAYERS, vocab=LY.PROBE_VOCAB)
+        if not LY.inexact_blocks(probe, layout):
+            return layout
+
+
+def test_a_busy_machine_runs_the_kept_choice_or_the_fixed_order(six_layers, tmp_path, monkeypatch, capsys):
+    """A run's layout does not depend on how busy the machine was when it started: with nothing
+    trusted kept, every busy run takes the fixed order's layout whatever its timings say (here they
+    are random); once a quiet run kept a choice, busy runs take it, stale or not; block costs timed
+    on a busy machine steer that run only."""
+    import random
+    cache = tmp_path / "layouts.json"
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    quiet = [False]
+    monkeypatch.setattr(LY, "machine_is_quiet", lambda: quiet[0])
+    timed = []
+    fake_timing(monkeypatch, {}, timed)
+    real = LY.step_seconds
+    monkeypatch.setattr(LY, "step_seconds", lambda *a, **k: real(*a, **k) * random.uniform(0.2, 5))
+    fixed = first_exact_of_the_fixed_order(six_layers)
+    for _ in range(3):
+        LY.CHOSEN.clear()
+        choice = LY.choose_layout(six_layers)
+        assert choice["layout"] == fixed and choice["ms"] == {} and "busy" in choice["fixed"]
+        assert {block for _, block, _ in timed} == set(LY.BLOCKS)  # (its block costs only, for this run)
+        assert not cache.exists()
+        timed.clear()
+    assert "fixed order" in capsys.readouterr().err
+    quiet[0] = True
+    fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
+    LY.CHOSEN.clear()
+    assert LY.choose_layout(six_layers)["layout"] == "float32"
+    quiet[0] = False
+    fake_timing(monkeypatch, {"float32": 9.0, "float32-packed": 1.0}, timed)  # (a quiet run would now say packed)
+    LY.recheck_kept_timing(six_layers, "float32", True, 0.01, 64)  # stale
+    timed.clear(), LY.CHOSEN.clear()
+    assert LY.choose_layout(six_layers)["layout"] == "float32" and not timed
+    assert "the kept choice (float32) stands" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", [
+    "a block of 2 dearer than one of 3", "a block cheaper than a one-token step", "a block dearer than its steps",
+    "a step of 1e30 ms", "a step of 1e-6 ms", "attention of 1e9 ms a key", "float16, never a CPU candidate",
+    "a layout slower than one it beat", "a step of 1e-6 ms among the layouts"])
+def test_a_kept_timing_that_cannot_be_true_is_timed_again(six_layers, tmp_path, monkeypatch, capsys, damage):
+    """Costs must be possible: a block of n+1 no cheaper than a block of n, none cheaper than a
+    one-token step nor dearer than a step a token, a finite bounded attention cost, a layout this
+    CPU times and the fastest of those it was timed against. A kept entry that breaks a rule is
+    timed again and never used as it is."""
+    cache = tmp_path / "layouts.json"
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
+    timed = []
+    fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
+    LY.choose_layout(six_layers)
+    kept = json.loads(cache.read_text())
+    choice_key, blocks_key = LY.cache_key(six_layers, "layout", threads=False), LY.cache_key(six_layers, "blocks float32")
+    choice, blocks = kept[choice_key], kept[blocks_key]
+    one = blocks["blocks_ms"]["1"]
+    edit = {"a block of 2 dearer than one of 3": (blocks_key, {"blocks_ms": {**blocks["blocks_ms"], "2": 2.05 * one,
+                                                                            "3": 1.27 * one}}),
+            "a block cheaper than a one-token step": (blocks_key, {"blocks_ms": {**blocks["blocks_ms"], "2": one / 2}}),
+            "a block dearer than its steps": (blocks_key, {"blocks_ms": {**blocks["blocks_ms"], "16": 40 * one}}),
+            "a step of 1e30 ms": (blocks_key, {"blocks_ms": {b: 1e30 for b in blocks["blocks_ms"]}}),
+            "a step of 1e-6 ms": (blocks_key, {"blocks_ms": {b: 1e-6 for b in blocks["blocks_ms"]}}),
+            "attention of 1e9 ms a key": (blocks_key, {"attention_ms_per_key": 1e9}),
+            "float16, never a CPU candidate": (choice_key, {"layout": "float16", "ms": {**choice["ms"], "float16": 0.5}}),
+            "a layout slower than one it beat": (choice_key, {"ms": {**choice["ms"], "float32": 99.0}}),
+            "a step of 1e-6 ms among the layouts": (choice_key, {"ms": {**choice["ms"], "float32-packed": 1e-6}})}
+    key, change = edit[damage]
+    kept[key] = {**kept[key], **change}
+    cache.write_text(json.dumps(kept))
+    timed.clear(), LY.CHOSEN.clear()
+    capsys.readouterr()
+    again = LY.choose_layout(six_layers)
+    assert timed and "cannot be a timing" in capsys.readouterr().err
+    assert again["layout"] == "float32" and again["blocks_ms"] == blocks["blocks_ms"]  # (the fake timing's table)
+    kept = json.loads(cache.read_text())
+    assert LY.impossible_choice(kept[choice_key], LY.layout_candidates(six_layers)) is None
+    assert LY.impossible_blocks(kept[blocks_key]) is None
+
+
+def test_block_costs_stay_possible_whatever_a_busy_timing_said():
+    """A table timed on a busy machine steers one run: its costs are made possible (a step a token
+    at most, a longer block never cheaper)."""
+    costs = LY.block_costs({"1": 10.0, "2": 30.0, "3": 12.0, "4": 200.0, "8": 24.0}, 8)
+    assert costs[1] == 2.0 and costs[2] == 2.0 and costs[3] == 4.0  # (a block of 4: 20 steps' timing)
+    assert all(1.0 <= c <= n + 1 for n, c in enumerate(costs)) and costs == sorted(costs)
+
+
+def test_retime_with_a_cache_it_cannot_write_still_times_again(six_layers, tmp_path, monkeypatch, capsys):
+    """decode.py --retime drops the model's kept timings; where the cache cannot be rewritten the
+    run says so and still does not use them."""
+    cache = tmp_path / "layouts.json"
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
+    timed = []
+    fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
+    LY.choose_layout(six_layers)
+    monkeypatch.setattr(LY, "write_atomically", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    capsys.readouterr()
+    assert LY.forget_timings(six_layers) == 2
+    assert "could not be written" in capsys.readouterr().err
+    timed.clear()
+    LY.choose_layout(six_layers)
+    assert {layout for layout, block, _ in timed if block == 1} == set(LY.layout_candidates(six_layers))
+
+
+def test_layouts_chosen_beside_busy_processes_are_the_same_every_run(six_layers, tmp_path, monkeypatch):
+    """The real thing: with every core kept busy by other processes, runs that each choose the
+    layout anew (nothing kept) choose the same one, and greedy speculation in it prints plain
+    decoding's tokens. (Block costs, which steer speed only, are timed once here to save time.)"""
+    import contextlib
+    import io
+    import os
+    import subprocess
+    import sys
+    import decode
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "layouts.json")
+    real = LY.step_seconds  # (real timings, short: here their values only steer the block lengths)
+    monkeypatch.setattr(LY, "step_seconds", lambda target, block, seconds=0.3, **k: real(target, block, 0.0, **k))
+
+    def choose_anew():  # as a new process would, but for the block costs
+        for memo in [memo for memo in LY.CHOSEN if " | layout | " in memo[1]]:
+            del LY.CHOSEN[memo]
+    argv = ["--target", str(six_layers), "--raw", "--prompt", "1 2 3 1 2 3 1 2", "--max-new-tokens", "12", "--json"]
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        chosen, runs = [], []
+        for _ in range(2):
+            choose_anew()
+            chosen.append(LY.choose_layout(six_layers)["layout"])
+        for extra in (["--verifier", "none"], []):
+            choose_anew()
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                decode.main(argv + extra)
+            runs.append(json.loads(out.getvalue().strip().splitlines()[-1]))
+    finally:
+        for p in spin:
+            p.kill()
+    assert chosen[0] == chosen[1] == first_exact_of_the_fixed_order(six_layers)
+    assert [r["layout"] for r in runs] == [chosen[0]] * len(runs)
+    assert runs[0]["tokens"] == runs[1]["tokens"] and runs[1]["draft"] == "lookup"
