@@ -526,3 +526,21 @@ def test_layouts_chosen_beside_busy_processes_are_the_same_every_run(six_layers,
     assert chosen[0] == chosen[1] == first_exact_of_the_fixed_order(six_layers)
     assert [r["layout"] for r in runs] == [chosen[0]] * len(runs)
     assert runs[0]["tokens"] == runs[1]["tokens"] and runs[1]["draft"] == "lookup"
+
+
+def test_a_fresh_timing_that_cannot_be_true_is_measured_once_more(six_layers, tmp_path, monkeypatch, capsys):
+    """A quiet machine's passing disturbance can still give a table no forward could (a block of 1
+    dearer than one of 3): it is measured again at once, and kept only once it is possible."""
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "layouts.json")
+    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
+    good = {"blocks_ms": {str(b): 10.0 + b for b in LY.BLOCKS}, "attention_ms_per_key": 0.001}
+    bad = {"blocks_ms": {**good["blocks_ms"], "1": 27.7, "3": 18.6}, "attention_ms_per_key": 0.001}
+    tables = [bad, good]
+    monkeypatch.setattr(LY, "measure_blocks", lambda *a: (tables.pop(0), True))
+    assert LY.block_table(six_layers, "float32")["blocks_ms"] == good["blocks_ms"] and not tables
+    assert LY.impossible_blocks(LY.read_cache()[LY.cache_key(six_layers, "blocks float32")]) is None
+    LY.CHOSEN.clear()
+    tables += [bad, bad]  # never possible: used for this run, clamped, and not kept
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "other.json")
+    assert LY.block_table(six_layers, "float32")["blocks_ms"] == bad["blocks_ms"] and not tables
+    assert "not possible" in capsys.readouterr().err and not (tmp_path / "other.json").exists()
