@@ -27,13 +27,14 @@ from pathlib import Path
 import torch
 
 import model as M
-from engine.checkpoints import DEFAULT_DRAFTS
+from engine.checkpoints import DEFAULT_DRAFTS, draft_spec_problem
 from dflash import DFlashDraft
 from draft import Draft
 from eagle3 import Eagle3Draft
-from engine.files import ROOT, repo_path
+from engine.files import ROOT, os_error_text, repo_path
 from engine.layouts import choose_layout, layout_of, load_target, target_layout
-from engine.machine import add_machine_options, compile_step, machine_problem, pick_threads, wants_compile
+from engine.machine import (ArgumentParser, add_machine_options, compile_step, machine_problem, pick_threads,
+                            wants_compile)
 from data.prompts import load_prompts
 from harness.results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
 from harness.speed import (Run, draft_label, interleave, make_draft, paired_runs, parse_spec, peer_runs,
@@ -163,7 +164,7 @@ def plots(summary, out_dir: Path, stem: str) -> list:
 
 
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(description="Speculative decoding benchmark: speed, side by side.",
+    ap = ArgumentParser(description="Speculative decoding benchmark: speed, side by side.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (add_run_args, add_prompt_args, add_peer_args, add_weights_args, add_table_args, add_machine_args):
         add(ap)
@@ -296,6 +297,9 @@ def check_and_complete(ap, args):
             ap.error(f"--drafts {e}")
         if adapt and adaptive_tree_problem(tree, max(args.temperatures)):
             ap.error(f"--drafts {spec}: {adaptive_tree_problem(tree, max(args.temperatures))}")
+        problem = None if args.speed_off else draft_spec_problem(spec.partition("@")[0])
+        if problem:  # (before the target loads and its layouts are timed)
+            ap.error(problem.replace("--draft ", "--drafts ", 1))
     labels = [draft_label(spec) for spec in args.drafts]
     if len(set(labels)) < len(labels):  # runs and results are keyed by label: one would replace another
         ap.error(f"two --drafts have one name: {', '.join(sorted({n for n in labels if labels.count(n) > 1}))}")
@@ -445,3 +449,5 @@ if __name__ == "__main__":
         main()
     except (M.CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: {os_error_text(e)}")

@@ -18,10 +18,11 @@ import torch
 
 import model as M
 from engine.checkpoints import CONFIDENCE_EXIT_DEFAULT, DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
-from engine.files import repo_path, repo_relative
+from engine.files import os_error_text, repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, recheck_kept_timing,
                             run_block_costs, target_layout)
-from engine.machine import add_machine_options, compile_step, machine_problem, pick_threads, wall_clock, wants_compile
+from engine.machine import (ArgumentParser, add_machine_options, compile_step, machine_problem, pick_threads,
+                            wall_clock, wants_compile)
 from data.prompts import read_prompts
 from draft import EXIT_SIGNALS
 from speculative import DECODE_K, adaptive, adaptive_tree_problem, check_request, exact_verifier, generate
@@ -31,8 +32,8 @@ from engine.weights import DEFAULT_TARGET, HF_REPOS, read_config, resolve_model
 
 
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(description="Plain and speculative decoding with a verifier of your choice.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ArgumentParser(description="Plain and speculative decoding with a verifier of your choice.",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (add_speculation_args, add_lossy_args, add_prompt_args, add_machine_args):
         add(ap)
     args = ap.parse_args(argv)
@@ -57,14 +58,14 @@ def add_speculation_args(ap):
                    help="'none' is plain autoregressive decoding (sampling at T > 0); default: greedy at "
                         "T = 0, lossless at T > 0")
     g.add_argument("-k", "--num-draft-tokens", type=int, default=DECODE_K, help="tokens drafted per step")
-    g.add_argument("--early-exit", nargs="?", const="auto", default="auto",
+    g.add_argument("--early-exit", nargs="?", const="auto", default=None,
                    type=threshold,
                    help="EAGLE-3/DFlash: stop drafting where the exit signal falls below this. Default and bare "
                         f"flag: the draft's recorded threshold, else {EARLY_EXIT_DEFAULT} (the confidence: "
                         f"{CONFIDENCE_EXIT_DEFAULT}); 0: never")
-    g.add_argument("--early-exit-signal", default="head", choices=EXIT_SIGNALS,
-                   help="what early exit reads: VAT's verification head (its probability that the token is "
-                        "kept) or the draft's confidence (its probability of its top token; docs/exit-signal)")
+    g.add_argument("--early-exit-signal", default=None, choices=EXIT_SIGNALS,
+                   help="what early exit reads: VAT's verification head (default; its probability that the "
+                        "token is kept) or the draft's confidence (its probability of its top token)")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="draft each step the length (with --tree: EAGLE-3's tree size) that pays here; none: a "
                         "plain step. Default: on, off with --tree; --no-adaptive drafts -k tokens every step")
@@ -176,6 +177,13 @@ def check_and_complete(ap, args):
                  "and every tree has a shape of its own")
     if args.adaptive is None:  # every draft's chain: a draft that does not pay here then costs only its probes
         args.adaptive = not args.tree
+    asked = [flag for flag, value in (("--early-exit", args.early_exit),
+                                      ("--early-exit-signal", args.early_exit_signal)) if value is not None]
+    if asked and (args.verifier == "none" or args.draft == "lookup"):  # (they would change nothing)
+        why = "--verifier none drafts nothing" if args.verifier == "none" else "prompt lookup has no exit signal"
+        ap.error(f"{' and '.join(asked)} stop an EAGLE-3 or DFlash draft's chain early; {why}")
+    args.early_exit = "auto" if args.early_exit is None else args.early_exit
+    args.early_exit_signal = args.early_exit_signal or "head"
 
 
 def make_verifier(name: str, temperature: float, **params) -> Verifier:
@@ -363,5 +371,7 @@ if __name__ == "__main__":
         main()
     except (M.CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: {os_error_text(e)}")
     except KeyboardInterrupt:
         sys.exit(130)

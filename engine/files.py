@@ -20,6 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository: data/, drafts/,
 DATA = ROOT / "data"  # shipped with the repository (data/README.md: sources and licenses)
 
 
+def os_error_text(e: OSError) -> str:
+    """An OSError in one line, naming the file: what a script exits with where writing or reading
+    failed (a full disk, a read-only folder). Files are written whole or not at all, so nothing is
+    left half-written."""
+    where = f"{e.filename}: " if e.filename else ""
+    return f"{where}{e.strerror or e} (nothing was left half-written)"
+
+
 def write_atomically(path: Path, data: str | bytes):
     """Write text (or bytes) under a temporary name, then rename it to `path`."""
     path = Path(path)
@@ -68,7 +76,7 @@ def directory_written_atomically(path: Path):
     tmp.chmod(0o755)  # mkdtemp's 0700 would keep it from other users
     try:
         yield tmp
-        for file in tmp.iterdir():  # (some writers create files 0600: readable by their owner alone)
+        for file in tmp.rglob("*"):  # (some writers create files 0600: readable by their owner alone)
             file.chmod(0o644 if file.is_file() else 0o755)
         replace_directory(tmp, path)
     finally:

@@ -2,6 +2,7 @@
 The machine a run uses: its device, how many CPU threads, whether the step is compiled, and the
 checks of those flags that every script shares before any weights load.
 """
+import argparse
 import os
 import resource
 import time
@@ -10,6 +11,14 @@ from pathlib import Path
 import torch
 
 from engine import linear_forms as LF
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with errors in one line: a script of many options would print its whole usage,
+    dozens of lines, before the one that says what is wrong."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
 def default_device() -> str:

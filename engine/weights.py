@@ -292,6 +292,15 @@ def convert_embedded_smollm2(out_dir: Path | None = None) -> Path:
             return out_dir
     except CheckpointError:
         pass
+    try:
+        return write_embedded_smollm2(out_dir)
+    except OSError as e:  # a read-only or full cache, or a file where its folder should be
+        raise CheckpointError(f"cannot write the converted default model to {out_dir} ({e.strerror or e}): point "
+                              f"XDG_CACHE_HOME at a writable folder with 0.6 GB free") from None
+
+
+def write_embedded_smollm2(out_dir: Path) -> Path:
+    """convert_embedded_smollm2's work: the GGUF read, dequantized and written whole."""
     remove_stale_temporaries(out_dir.parent)  # (a half-made out_dir is replaced whole below)
     import gguf
     from safetensors.torch import save_file

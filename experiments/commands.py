@@ -16,7 +16,6 @@ k and no early exit (the draft's own tau) and as decode.py drafts by default (ad
 early exit), lossless and overshoot (T = 1); last, the new draft behind prompt lookup (T = 0).
 Run it with nothing else busy. --render FILE prints a results file's tables (markdown) again.
 """
-import argparse
 import json
 import statistics
 import subprocess
@@ -27,9 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modules, one folder up
 
 from engine.files import DATA, ROOT
-from engine.machine import pick_threads
+from engine.machine import ArgumentParser, pick_threads
 from data.prompts import load_prompts
-from harness.results import machine_stamp, write_results
+from harness.results import machine_stamp, unwritable, write_results
 
 PLAIN = {0: "decode.py --verifier none", 1: "decode.py --verifier none --temperature 1"}
 
@@ -55,7 +54,8 @@ def run_once(command: str, prompt: str, seed: int, max_new_tokens: int) -> dict:
             "--max-new-tokens", str(max_new_tokens), "--json"]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
-        raise RuntimeError(f"{command} failed: {done.stderr.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        raise RuntimeError(f"{command} failed: {last}")
     record = json.loads(done.stdout.strip().splitlines()[-1])
     return {k: record[k] for k in ("tokens", "tokens_per_s", "tau", "new_tokens", "drafted_tokens")}
 
@@ -114,8 +114,21 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def read_results(ap, path: Path) -> dict:
+    """A results file this script wrote, or a one-line error."""
+    try:
+        result = json.loads(path.read_text())
+    except OSError as e:
+        ap.error(f"--render: cannot read {path} ({e.strerror})")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        ap.error(f"--render: {path} is not JSON")
+    if not (isinstance(result, dict) and {"summary", "records", "prompts", "old", "new"} <= set(result)):
+        ap.error(f"--render: {path} is not a results file of experiments/commands.py")
+    return result
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="decode.py's command lines as a user types them, timed per prompt.")
+    ap = ArgumentParser(description="decode.py's command lines as a user types them, timed per prompt.")
     ap.add_argument("--render", default=None, metavar="FILE", help="print a results file's tables, measure nothing")
     ap.add_argument("--old", help="the draft before (a draft directory)")
     ap.add_argument("--new", help="the draft after")
@@ -124,7 +137,7 @@ def main(argv=None):
     ap.add_argument("--out", help="results file (JSON)")
     args = ap.parse_args(argv)
     if args.render:
-        print(render(json.loads(Path(args.render).read_text())))
+        print(render(read_results(ap, Path(args.render))))
         return
     if not (args.old and args.new and args.out):
         ap.error("--old, --new and --out go together (or --render FILE)")
@@ -133,6 +146,10 @@ def main(argv=None):
             ap.error(f"no draft directory {draft}")
     if args.max_new_tokens < 1 or args.limit < 1:
         ap.error("--max-new-tokens and --limit must be >= 1")
+    if unwritable(Path(args.out)):
+        ap.error(f"--out {args.out} cannot be written ({unwritable(Path(args.out))})")
+    for draft in (args.old, args.new):  # a draft decode.py refuses fails here, not after the first prompts
+        run_once(f"decode.py --draft {draft}", "Hi", 0, 1)
     prompts = load_prompts(DATA / "spec_bench_questions.jsonl", None, 1)[:args.limit]
     commands = rows(args.old, args.new)
     t0 = time.perf_counter()
@@ -150,4 +167,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as e:  # (a decode.py that failed: its own last line says why)
+        sys.exit(f"error: {e}")

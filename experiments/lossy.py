@@ -49,9 +49,9 @@ from tqdm import tqdm
 
 import model as M
 from engine.checkpoints import DEFAULT_DRAFTS, build_draft
-from engine.files import ROOT, repo_path
+from engine.files import ROOT, os_error_text, repo_path
 from engine.layouts import experiment_layout, load_target
-from engine.machine import add_machine_options, machine_problem, pick_threads
+from engine.machine import ArgumentParser, add_machine_options, machine_problem, pick_threads
 from harness.results import figures_beside, machine_stamp, shown, unwritable, write_results
 from speculative import generate
 from harness.stats import paired_difference, problems_for_power, rank_correlation, wilson
@@ -336,7 +336,7 @@ def print_report(args, summary: dict, power: dict, predicts: dict):
 
 
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(description="The lossy-verification experiment: block efficiency, accuracy "
+    ap = ArgumentParser(description="The lossy-verification experiment: block efficiency, accuracy "
                                              "and distortion of every verifier, paired on the same problems.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--target", default=DEFAULT_TARGET,
@@ -460,3 +460,5 @@ if __name__ == "__main__":
         main()
     except (M.CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: {os_error_text(e)}")

@@ -22,7 +22,6 @@ page (docs/results/README.md: tokens/s, interquartile ranges, exactness, the wei
 checks that both show what the file renders to.
 Run it with nothing else busy: with 2 OpenMP threads another process slows a step several times.
 """
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -34,9 +33,9 @@ import torch
 import model as M
 from harness import peers
 from harness import speed
-from engine.files import DATA, ROOT, read_json_object, repo_relative, write_atomically
+from engine.files import DATA, ROOT, os_error_text, read_json_object, repo_relative, write_atomically
 from engine.layouts import CPU_FEATURES, layout_of, load_target
-from engine.machine import machine_problem, pick_threads
+from engine.machine import ArgumentParser, machine_problem, pick_threads
 from data.prompts import load_prompts
 from harness.results import machine_stamp, save_figure, unwritable, write_results
 from speculative import DECODE_K
@@ -144,9 +143,9 @@ def render(results: dict) -> str:
         cost = f"; at a short context a block of {results['k'] + 1} tokens costs " \
                f"{blocks[str(results['k'] + 1)] / blocks['1']:.1f} one-token steps there" \
             if str(results["k"] + 1) in blocks and "1" in blocks else ""
-        exact = "its blocks give the bits of one-token steps here" if choice["layout"] not in choice.get("inexact", []) \
-            else "its blocks are not exact here, so the default decodes plainly"
-        lines += [f"`--dtype auto` runs every forward of every run in {choice['layout']} on this machine: the "
+        exact = "its blocks give the bits of one-token steps there" if choice["layout"] not in choice.get("inexact", []) \
+            else "its blocks are not exact there, so the default decodes plainly"
+        lines += [f"`--dtype auto` runs every forward of every run in {choice['layout']} on the machine above: the "
                   f"fastest estimated one-token step ({choice['ms'][choice['layout']]:.1f} ms; {others}), and "
                   f"{exact}{cost}.", ""]
     for task, table in results["tasks"].items():
@@ -262,7 +261,7 @@ def write_tables(results: dict, readme: Path, page: Path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Regenerate README's results on this machine: "
+    ap = ArgumentParser(description="Regenerate README's results on this machine: "
                                              "docs/results.json and the tables it renders to.")
     ap.add_argument("--render-only", action="store_true",
                     help="rewrite README's summary and the docs page's tables from the results file")
@@ -313,3 +312,5 @@ if __name__ == "__main__":
         main()
     except (M.CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: {os_error_text(e)}")

@@ -190,7 +190,7 @@ def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
     assert capsys.readouterr().err == ""
     a = get_args(["--verifier", "overshoot"])  # the chat draft, behind prompt lookup
     assert a.temperature == 1.0 and a.draft == f"lookup+{DEFAULT_DRAFTS[WT.DEFAULT_TARGET]}"
-    assert a.early_exit == "auto" and get_args(["--early-exit", "0"]).early_exit == 0.0
+    assert a.early_exit == "auto" and get_args(["--draft", "eagle3:x", "--early-exit", "0"]).early_exit == 0.0
     assert "--temperature defaults to 1" in capsys.readouterr().err
     a = get_args(["--verifier", "minp", "--temperature", "0", "--draft", "lookup"])
     assert a.temperature == 0.0 and "is greedy verification" in capsys.readouterr().err

@@ -98,6 +98,16 @@ def test_dflash_settings_at_the_top_level_and_a_missing_mask_id(target, tmp_path
     edit_checkpoint(path, lambda c: c.update(causal=False, num_target_layers=12))
     with pytest.raises(M.CheckpointError, match="trained on a target of 12 layers"):
         load_draft(path, target)
+    edit_checkpoint(path, lambda c: c.update(num_target_layers=None))
+    for ids, message in (([0, "1"], 'target_layer_ids is \\[0, "1"\\], not a list of layer numbers'),
+                         ([-2], "target_layer_ids is \\[-2\\], not a list"), (7, "target_layer_ids is 7, not a list"),
+                         ([0, 40], "reads target layers target_layer_ids \\[0, 40\\]; this target has layers 0 to")):
+        edit_checkpoint(path, lambda c: c.update(target_layer_ids=ids))
+        with pytest.raises(M.CheckpointError, match=message):
+            load_draft(path, target)
+    edit_checkpoint(path, lambda c: c.update(target_layer_ids=[0, 1], dflash_config="x"))
+    with pytest.raises(M.CheckpointError, match='dflash_config is "x", not an object'):
+        load_draft(path, target)
 
 
 def test_dflash_block_cap_is_not_counted_as_early_exit(target):

@@ -74,7 +74,20 @@ def test_eagle3_release_layout_round_trips(target, tmp_path, fmt):
     (dict(config=lambda c: c.update(hidden_act="gelu")), "hidden_act='gelu'"),
     (dict(config=lambda c: c.update(target_hidden_size=128)), "hidden size 128"),
     (dict(config=lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 9]})),
-     "reads the outputs of target layers [0, 1, 9]"),
+     "reads target layers eagle_config.eagle_aux_hidden_state_layer_ids [0, 1, 9]; this target has layers 0 to"),
+    (dict(config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 99])),  # (as written, not converted)
+     "reads target layers eagle_aux_hidden_state_layer_ids [1, 2, 99]"),
+    (dict(config=lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": ["0", "1", "2"]})),
+     'eagle_config.eagle_aux_hidden_state_layer_ids is ["0", "1", "2"], not a list of 3 layer numbers >= -1'),
+    (dict(config=lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": 5})), "is 5, not a list of 3"),
+    (dict(config=lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": {"a": 1}})),
+     'is {"a": 1}, not a list'),
+    (dict(config=lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1]})), "is [0, 1], not a list of 3"),
+    (dict(config=lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [-2, 1, 2]})),
+     "is [-2, 1, 2], not a list of 3 layer numbers >= -1"),  # (-1: the embeddings' output)
+    (dict(config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[-1, 1, 2])),
+     "eagle_aux_hidden_state_layer_ids is [-1, 1, 2], not a list of 3 layer numbers >= 0"),
+    (dict(config=lambda c: c.update(eagle_config="x")), 'eagle_config is "x", not an object'),
     (dict(tensors=lambda sd: sd.update({"fc.weight": sd["fc.weight"].to(torch.int32)})), "fc.weight in .* is int32, "
                                                                                        "expected float"),
     (dict(tensors=lambda sd: sd.update({"d2t": torch.full_like(sd["d2t"], 100000000)})),
