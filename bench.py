@@ -165,7 +165,7 @@ def plots(summary, out_dir: Path, stem: str) -> list:
 
 def get_args(argv=None):
     ap = ArgumentParser(description="Speculative decoding benchmark: speed, side by side.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (add_run_args, add_prompt_args, add_peer_args, add_weights_args, add_table_args, add_machine_args):
         add(ap)
     args = ap.parse_args(argv)

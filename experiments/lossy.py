@@ -337,8 +337,8 @@ def print_report(args, summary: dict, power: dict, predicts: dict):
 
 def get_args(argv=None):
     ap = ArgumentParser(description="The lossy-verification experiment: block efficiency, accuracy "
-                                             "and distortion of every verifier, paired on the same problems.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                    "and distortion of every verifier, paired on the same problems.",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--target", default=DEFAULT_TARGET,
                     help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
     ap.add_argument("--draft", default=None,

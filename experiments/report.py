@@ -262,7 +262,7 @@ def write_tables(results: dict, readme: Path, page: Path):
 
 def main(argv=None):
     ap = ArgumentParser(description="Regenerate README's results on this machine: "
-                                             "docs/results.json and the tables it renders to.")
+                                    "docs/results.json and the tables it renders to.")
     ap.add_argument("--render-only", action="store_true",
                     help="rewrite README's summary and the docs page's tables from the results file")
     ap.add_argument("--spec-bench", type=int, default=13, help="Spec-Bench prompts (one per category, in order)")

@@ -544,3 +544,24 @@ def test_a_fresh_timing_that_cannot_be_true_is_measured_once_more(six_layers, tm
     monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "other.json")
     assert LY.block_table(six_layers, "float32")["blocks_ms"] == bad["blocks_ms"] and not tables
     assert "not possible" in capsys.readouterr().err and not (tmp_path / "other.json").exists()
+
+
+def test_notes_on_a_cut_or_unwritable_cache_are_said_once_and_say_what_happened(six_layers, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A cut layouts.json is named once however often the run reads it; a stale mark that cannot be
+    written says so, not that a choice was made for this run only."""
+    cache = tmp_path / "layouts.json"
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
+    fake_timing(monkeypatch, {"float32": 20.0, "float32-packed": 40.0, "bfloat16-packed": 40.0, "bfloat16": 40.0}, [])
+    LY.choose_layout(six_layers)
+    whole = cache.read_text()
+    cache.write_text(whole[:len(whole) // 2])
+    capsys.readouterr()
+    LY.CHOSEN.clear()
+    LY.choose_layout(six_layers)
+    assert capsys.readouterr().err.count("is unreadable") == 1
+    monkeypatch.setattr(LY, "write_atomically", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    assert LY.recheck_kept_timing(six_layers, "float32", True, 0.01, 64)
+    err = capsys.readouterr().err
+    assert "could not be marked to be timed again" in err and "for this run only" not in err
