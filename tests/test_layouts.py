@@ -422,6 +422,18 @@ def test_a_busy_machine_runs_the_kept_choice_or_the_fixed_order(six_layers, tmp_
     assert "the kept choice (float32) stands" in capsys.readouterr().err
 
 
+def kept_float32_choice(six_layers, tmp_path, monkeypatch) -> tuple:
+    """A quiet machine's kept choice of float32 (the fastest of the fake timings) in a fresh cache:
+    (the cache, the list of what is timed from here on)."""
+    cache = tmp_path / "layouts.json"
+    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
+    timed = []
+    fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
+    LY.choose_layout(six_layers)
+    return cache, timed
+
+
 @pytest.mark.parametrize("damage", [
     "a block of 2 dearer than one of 3", "a block cheaper than a one-token step", "a block dearer than its steps",
     "a step of 1e30 ms", "a step of 1e-6 ms", "attention of 1e9 ms a key", "float16, never a CPU candidate",
@@ -431,12 +443,7 @@ def test_a_kept_timing_that_cannot_be_true_is_timed_again(six_layers, tmp_path, 
     one-token step nor dearer than a step a token, a finite bounded attention cost, a layout this
     CPU times and the fastest of those it was timed against. A kept entry that breaks a rule is
     timed again and never used as it is."""
-    cache = tmp_path / "layouts.json"
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
-    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
-    timed = []
-    fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
-    LY.choose_layout(six_layers)
+    cache, timed = kept_float32_choice(six_layers, tmp_path, monkeypatch)
     kept = json.loads(cache.read_text())
     choice_key, blocks_key = LY.cache_key(six_layers, "layout", threads=False), LY.cache_key(six_layers, "blocks float32")
     choice, blocks = kept[choice_key], kept[blocks_key]
@@ -475,12 +482,7 @@ def test_block_costs_stay_possible_whatever_a_busy_timing_said():
 def test_retime_with_a_cache_it_cannot_write_still_times_again(six_layers, tmp_path, monkeypatch, capsys):
     """decode.py --retime drops the model's kept timings; where the cache cannot be rewritten the
     run says so and still does not use them."""
-    cache = tmp_path / "layouts.json"
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
-    monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
-    timed = []
-    fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
-    LY.choose_layout(six_layers)
+    cache, timed = kept_float32_choice(six_layers, tmp_path, monkeypatch)
     monkeypatch.setattr(LY, "write_atomically", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
     capsys.readouterr()
     assert LY.forget_timings(six_layers) == 2
