@@ -71,3 +71,37 @@ def test_every_draft_declares_the_interface():
         assert issubclass(cls, draft.Draft), cls
     declared = set(draft.Draft.__annotations__)
     assert {"target_layers", "forwards", "max_tokens", "free", "sizes_trees", "proposal_head_logits"} <= declared
+
+
+def definition_lengths(path: Path) -> dict:
+    """{name or Class.method: its length in lines} of a module's top-level definitions."""
+    lengths = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            lengths[node.name] = node.end_lineno - node.lineno + 1
+            for sub in node.body if isinstance(node, ast.ClassDef) else []:
+                if isinstance(sub, ast.FunctionDef):
+                    lengths[f"{node.name}.{sub.name}"] = sub.end_lineno - sub.lineno + 1
+    return lengths
+
+
+def test_readmes_reading_path_names_what_the_code_holds():
+    """README's reading path comes in its first 40 lines, and every definition it names is in the
+    file it names, as long as it says."""
+    import re
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Read the code")
+    assert readme[:start].count("\n") < 40
+    rows = [line for line in readme[start:].split("\n## ", 1)[0].splitlines() if line.startswith("| ") and "`" in line]
+    assert len(rows) == 4
+    for row in rows:
+        _, where, lines = [cell.strip() for cell in row.strip("|").split("|")]
+        named = []
+        for part in where.split(";"):
+            file, _, names = part.partition(":")
+            named += [(file.strip(" `"), name) for name in re.findall(r"`([\w.]+)`", names)]
+        claimed = [int(n) for n in lines.split("+")]
+        assert len(named) == len(claimed), row
+        for (file, name), n in zip(named, claimed):
+            actual = definition_lengths(ROOT / file).get(name)
+            assert actual == n, f"README says {file}'s {name} is {n} lines; it is {actual}"
