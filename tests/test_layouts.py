@@ -434,32 +434,49 @@ def kept_float32_choice(six_layers, tmp_path, monkeypatch) -> tuple:
     return cache, timed
 
 
-@pytest.mark.parametrize("damage", [
-    "a block of 2 dearer than one of 3", "a block cheaper than a one-token step", "a block dearer than its steps",
-    "a step of 1e30 ms", "a step of 1e-6 ms", "attention of 1e9 ms a key", "float16, never a CPU candidate",
-    "a layout slower than one it beat", "a step of 1e-6 ms among the layouts"])
-def test_a_kept_timing_that_cannot_be_true_is_timed_again(six_layers, tmp_path, monkeypatch, capsys, damage):
+CANDIDATES = ["float32-packed", "float32", "bfloat16-packed", "bfloat16"]
+POSSIBLE_CHOICE = {"layout": "float32", "ms": {"float32": 7.0, "float32-packed": 14.0, "bfloat16-packed": 9.0,
+                                              "bfloat16": 8.0}, "inexact": [], "threads": 2}
+POSSIBLE_BLOCKS = {"blocks_ms": {str(b): 7.0 * b ** 0.5 for b in LY.BLOCKS}, "attention_ms_per_key": 0.004}
+ONE = POSSIBLE_BLOCKS["blocks_ms"]["1"]
+IMPOSSIBLE = {  # rule broken: (which entry, the change)
+    "a block of 2 dearer than one of 3": ("blocks", {"blocks_ms": {**POSSIBLE_BLOCKS["blocks_ms"], "2": 2.05 * ONE,
+                                                                  "3": 1.27 * ONE}}),
+    "a block cheaper than a one-token step": ("blocks", {"blocks_ms": {**POSSIBLE_BLOCKS["blocks_ms"], "2": ONE / 2}}),
+    "a block dearer than its steps": ("blocks", {"blocks_ms": {**POSSIBLE_BLOCKS["blocks_ms"], "16": 40 * ONE}}),
+    "a step of 1e30 ms": ("blocks", {"blocks_ms": {b: 1e30 for b in POSSIBLE_BLOCKS["blocks_ms"]}}),
+    "a step of 1e-6 ms": ("blocks", {"blocks_ms": {b: 1e-6 for b in POSSIBLE_BLOCKS["blocks_ms"]}}),
+    "attention of 1e9 ms a key": ("blocks", {"attention_ms_per_key": 1e9}),
+    "float16, never a CPU candidate": ("choice", {"layout": "float16", "ms": {**POSSIBLE_CHOICE["ms"], "float16": 0.5}}),
+    "a layout slower than one it beat": ("choice", {"ms": {**POSSIBLE_CHOICE["ms"], "float32": 99.0}}),
+    "a step of 1e-6 ms among the layouts": ("choice", {"ms": {**POSSIBLE_CHOICE["ms"], "float32-packed": 1e-6}})}
+
+
+@pytest.mark.parametrize("rule", list(IMPOSSIBLE))
+def test_costs_no_forward_could_give_are_named(rule):
     """Costs must be possible: a block of n+1 no cheaper than a block of n, none cheaper than a
     one-token step nor dearer than a step a token, a finite bounded attention cost, a layout this
-    CPU times and the fastest of those it was timed against. A kept entry that breaks a rule is
-    timed again and never used as it is."""
+    CPU times and the fastest of those it was timed against."""
+    assert LY.impossible_blocks(POSSIBLE_BLOCKS) is None
+    assert LY.impossible_choice(POSSIBLE_CHOICE, CANDIDATES) is None
+    which, change = IMPOSSIBLE[rule]
+    if which == "blocks":
+        assert LY.impossible_blocks({**POSSIBLE_BLOCKS, **change})
+    else:
+        assert LY.impossible_choice({**POSSIBLE_CHOICE, **change}, CANDIDATES)
+
+
+@pytest.mark.parametrize("rule", ["a block of 2 dearer than one of 3", "float16, never a CPU candidate"])
+def test_a_kept_timing_that_cannot_be_true_is_timed_again(six_layers, tmp_path, monkeypatch, capsys, rule):
+    """A kept entry that breaks a rule (one of each kind here; every rule above) is timed again and
+    never used as it is."""
     cache, timed = kept_float32_choice(six_layers, tmp_path, monkeypatch)
     kept = json.loads(cache.read_text())
-    choice_key, blocks_key = LY.cache_key(six_layers, "layout", threads=False), LY.cache_key(six_layers, "blocks float32")
-    choice, blocks = kept[choice_key], kept[blocks_key]
-    one = blocks["blocks_ms"]["1"]
-    edit = {"a block of 2 dearer than one of 3": (blocks_key, {"blocks_ms": {**blocks["blocks_ms"], "2": 2.05 * one,
-                                                                            "3": 1.27 * one}}),
-            "a block cheaper than a one-token step": (blocks_key, {"blocks_ms": {**blocks["blocks_ms"], "2": one / 2}}),
-            "a block dearer than its steps": (blocks_key, {"blocks_ms": {**blocks["blocks_ms"], "16": 40 * one}}),
-            "a step of 1e30 ms": (blocks_key, {"blocks_ms": {b: 1e30 for b in blocks["blocks_ms"]}}),
-            "a step of 1e-6 ms": (blocks_key, {"blocks_ms": {b: 1e-6 for b in blocks["blocks_ms"]}}),
-            "attention of 1e9 ms a key": (blocks_key, {"attention_ms_per_key": 1e9}),
-            "float16, never a CPU candidate": (choice_key, {"layout": "float16", "ms": {**choice["ms"], "float16": 0.5}}),
-            "a layout slower than one it beat": (choice_key, {"ms": {**choice["ms"], "float32": 99.0}}),
-            "a step of 1e-6 ms among the layouts": (choice_key, {"ms": {**choice["ms"], "float32-packed": 1e-6}})}
-    key, change = edit[damage]
-    kept[key] = {**kept[key], **change}
+    keys = {"choice": LY.cache_key(six_layers, "layout", threads=False),
+            "blocks": LY.cache_key(six_layers, "blocks float32")}
+    blocks = kept[keys["blocks"]]
+    which, change = IMPOSSIBLE[rule]
+    kept[keys[which]] = {**kept[keys[which]], **change}
     cache.write_text(json.dumps(kept))
     timed.clear(), LY.CHOSEN.clear()
     capsys.readouterr()
@@ -467,8 +484,8 @@ def test_a_kept_timing_that_cannot_be_true_is_timed_again(six_layers, tmp_path, 
     assert timed and "cannot be a timing" in capsys.readouterr().err
     assert again["layout"] == "float32" and again["blocks_ms"] == blocks["blocks_ms"]  # (the fake timing's table)
     kept = json.loads(cache.read_text())
-    assert LY.impossible_choice(kept[choice_key], LY.layout_candidates(six_layers)) is None
-    assert LY.impossible_blocks(kept[blocks_key]) is None
+    assert LY.impossible_choice(kept[keys["choice"]], LY.layout_candidates(six_layers)) is None
+    assert LY.impossible_blocks(kept[keys["blocks"]]) is None
 
 
 def test_block_costs_stay_possible_whatever_a_busy_timing_said():
@@ -494,7 +511,7 @@ def test_retime_with_a_cache_it_cannot_write_still_times_again(six_layers, tmp_p
 
 def test_layouts_chosen_beside_busy_processes_are_the_same_every_run(six_layers, tmp_path, monkeypatch):
     """The real thing: with every core kept busy by other processes, runs that each choose the
-    layout anew (nothing kept) choose the same one, and greedy speculation in it prints plain
+    layout anew (nothing kept) choose the fixed order's, and greedy speculation in it prints plain
     decoding's tokens. (Block costs, which steer speed only, are timed once here to save time.)"""
     import contextlib
     import io
@@ -512,10 +529,7 @@ def test_layouts_chosen_beside_busy_processes_are_the_same_every_run(six_layers,
     argv = ["--target", str(six_layers), "--raw", "--prompt", "1 2 3 1 2 3 1 2", "--max-new-tokens", "12", "--json"]
     spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
-        chosen, runs = [], []
-        for _ in range(2):
-            choose_anew()
-            chosen.append(LY.choose_layout(six_layers)["layout"])
+        runs = []
         for extra in (["--verifier", "none"], []):
             choose_anew()
             out = io.StringIO()
@@ -525,8 +539,7 @@ def test_layouts_chosen_beside_busy_processes_are_the_same_every_run(six_layers,
     finally:
         for p in spin:
             p.kill()
-    assert chosen[0] == chosen[1] == first_exact_of_the_fixed_order(six_layers)
-    assert [r["layout"] for r in runs] == [chosen[0]] * len(runs)
+    assert [r["layout"] for r in runs] == [first_exact_of_the_fixed_order(six_layers)] * len(runs)
     assert runs[0]["tokens"] == runs[1]["tokens"] and runs[1]["draft"] == "lookup"
 
 
