@@ -219,7 +219,7 @@ def estimated_ms(path: Path, layout: str, context: int, n_layer: int, blocks) ->
     head = build_target(path, layout, "cpu", context, n_layer=0)
     head_ms = {b: 1e3 * step_seconds(head, b, cold=True) for b in blocks}
     del head  # (freed as its last reference goes: a model holds no reference cycle)
-    release_memory(collect=False)
+    release_memory()
     probe = build_target(path, layout, "cpu", context, n_layer=PROBE_LAYERS, vocab=PROBE_VOCAB)
     small_head = probe.without_layers()
     ms, probe_ms = {}, {}
@@ -595,10 +595,11 @@ def return_freed_weights():
         glibc().mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 1 MiB
 
 
-def release_memory(collect: bool = True):
-    """Hand the memory of dropped probes back to the system before the next model is built;
-    collect: run the garbage collector first (slow in a process of many objects), for what a
-    reference cycle may still hold."""
+def release_memory(collect: bool = False):
+    """Hand the memory of dropped probes back to the system before the next model is built. A
+    model holds no reference cycle, so it is freed as its last reference goes; collect: run the
+    garbage collector first, for a caller whose objects may hold one (a quarter second or more in a
+    process of many objects, such as one that imported transformers)."""
     import gc
     if collect:
         gc.collect()
