@@ -18,7 +18,6 @@ fastest here, as decode.py's); every run of ours shares it.
 Writes a markdown table to stdout, every raw number and the configuration to --out (JSON), PNG
 plots beside it, and ends stdout with one JSON line of headline figures.
 """
-import argparse
 import json
 import sys
 import time
@@ -33,8 +32,8 @@ from draft import Draft
 from eagle3 import Eagle3Draft
 from engine.files import ROOT, os_error_text, repo_path
 from engine.layouts import choose_layout, layout_of, load_target, target_layout
-from engine.machine import (ArgumentParser, add_machine_options, compile_step, machine_problem, pick_threads,
-                            wants_compile)
+from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compile_step,
+                            machine_problem, pick_threads, wants_compile)
 from data.prompts import load_prompts
 from harness.results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
 from harness.speed import (Run, draft_label, interleave, make_draft, paired_runs, parse_spec, peer_runs,
@@ -165,7 +164,7 @@ def plots(summary, out_dir: Path, stem: str) -> list:
 
 def get_args(argv=None):
     ap = ArgumentParser(description="Speculative decoding benchmark: speed, side by side.",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=DefaultsHelpFormatter)
     for add in (add_run_args, add_prompt_args, add_peer_args, add_weights_args, add_table_args, add_machine_args):
         add(ap)
     args = ap.parse_args(argv)

@@ -21,8 +21,8 @@ from engine.checkpoints import CONFIDENCE_EXIT_DEFAULT, DEFAULT_DRAFTS, EARLY_EX
 from engine.files import os_error_text, repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, recheck_kept_timing,
                             run_block_costs, target_layout)
-from engine.machine import (ArgumentParser, add_machine_options, compile_step, machine_problem, pick_threads,
-                            wall_clock, wants_compile)
+from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compile_step,
+                            machine_problem, pick_threads, wall_clock, wants_compile)
 from data.prompts import read_prompts
 from draft import EXIT_SIGNALS
 from speculative import DECODE_K, adaptive, adaptive_tree_problem, check_request, exact_verifier, generate
@@ -33,7 +33,7 @@ from engine.weights import DEFAULT_TARGET, HF_REPOS, read_config, resolve_model
 
 def get_args(argv=None):
     ap = ArgumentParser(description="Plain and speculative decoding with a verifier of your choice.",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=DefaultsHelpFormatter)
     for add in (add_speculation_args, add_lossy_args, add_prompt_args, add_machine_args):
         add(ap)
     args = ap.parse_args(argv)

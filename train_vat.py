@@ -20,7 +20,6 @@ Verification-Aware Training (VAT) of EAGLE-3 and DFlash drafts, and their plain 
    vLLM and SGLang serve, its verification head and the early-exit threshold chosen for it in
    drafts/NAME/vat/ (checkpoints keep fp32 for the optimizer).
 """
-import argparse
 import json
 import math
 import random
@@ -44,7 +43,8 @@ from dflash import DFlash, DFlashDraft, dflash_target_layers
 from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
 from engine.files import ROOT, os_error_text, repo_path
 from engine.layouts import experiment_layout, load_target
-from engine.machine import ArgumentParser, add_machine_options, machine_problem, start_processes
+from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, machine_problem,
+                            start_processes)
 from objectives import DraftLoss, LossSettings
 from speculative import generate
 from verify import Verifier
@@ -88,8 +88,8 @@ QUICK = dict(steps=2, batch_size=2, seq_len=128, draft_vocab=1024, eval_every=2,
 def get_args(argv=None):
     ap = ArgumentParser(
         description="Train an EAGLE-3 or DFlash draft with Verification-Aware Training.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Machine-dependent defaults (None above): on CUDA "
+        formatter_class=DefaultsHelpFormatter,
+        epilog="Machine-dependent defaults (the options above that show none): on CUDA "
                + ", ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items())
                + "; on CPU " + ", ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items())
                + " (the committed general draft's recipe). --quick is a 2-step smoke run on 12 prompts.")

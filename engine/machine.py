@@ -13,6 +13,14 @@ import torch
 from engine import linear_forms as LF
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each option's default, but none for a default of None: such an option's help
+    says what leaving it out does, and "(default: None)" would contradict it."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with errors in one line: a script of many options would print its whole usage,
     dozens of lines, before the one that says what is wrong."""

@@ -28,7 +28,6 @@ Each finished problem is appended to OUT.problems.jsonl, so an interrupted run c
 stopped when rerun with the same arguments (a larger --problems extends it). At the end: markdown tables on stdout, every problem's
 outcome in OUT (JSON), the figures beside it, and one JSON line of headline figures.
 """
-import argparse
 import difflib
 import json
 import multiprocessing
@@ -51,7 +50,8 @@ import model as M
 from engine.checkpoints import DEFAULT_DRAFTS, build_draft
 from engine.files import ROOT, os_error_text, repo_path
 from engine.layouts import experiment_layout, load_target
-from engine.machine import ArgumentParser, add_machine_options, machine_problem, pick_threads
+from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, machine_problem,
+                            pick_threads)
 from harness.results import figures_beside, machine_stamp, shown, unwritable, write_results
 from speculative import generate
 from harness.stats import paired_difference, problems_for_power, rank_correlation, wilson
@@ -338,7 +338,7 @@ def print_report(args, summary: dict, power: dict, predicts: dict):
 def get_args(argv=None):
     ap = ArgumentParser(description="The lossy-verification experiment: block efficiency, accuracy "
                                     "and distortion of every verifier, paired on the same problems.",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--target", default=DEFAULT_TARGET,
                     help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
     ap.add_argument("--draft", default=None,
