@@ -177,9 +177,15 @@ def check_and_complete(ap, args):
                  "and every tree has a shape of its own")
     if args.adaptive is None:  # every draft's chain: a draft that does not pay here then costs only its probes
         args.adaptive = not args.tree
+    complete_early_exit(ap, args)
+
+
+def complete_early_exit(ap, args):
+    """--early-exit and --early-exit-signal: refused where nothing can exit (they would change
+    nothing), else their defaults: the draft's recorded threshold, read by VAT's head."""
     asked = [flag for flag, value in (("--early-exit", args.early_exit),
                                       ("--early-exit-signal", args.early_exit_signal)) if value is not None]
-    if asked and (args.verifier == "none" or args.draft == "lookup"):  # (they would change nothing)
+    if asked and (args.verifier == "none" or args.draft == "lookup"):
         why = "--verifier none drafts nothing" if args.verifier == "none" else "prompt lookup has no exit signal"
         ap.error(f"{' and '.join(asked)} stop an EAGLE-3 or DFlash draft's chain early; {why}")
     args.early_exit = "auto" if args.early_exit is None else args.early_exit
