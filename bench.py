@@ -30,14 +30,15 @@ from engine.checkpoints import DEFAULT_DRAFTS, draft_spec_problem
 from dflash import DFlashDraft
 from draft import Draft
 from eagle3 import Eagle3Draft
+from engine.compiled import cache_slots, compile_target
 from engine.files import ROOT, os_error_text, repo_path
-from engine.layouts import choose_layout, layout_of, load_target, target_layout
-from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compile_step,
+from engine.layouts import choose_layout, layout_of, load_target, run_block_costs, target_layout
+from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options,
                             machine_problem, pick_threads, wants_compile)
 from data.prompts import load_prompts
 from harness.results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
-from harness.speed import (Run, draft_label, interleave, make_draft, paired_runs, parse_spec, peer_runs,
-                   records_for_file, summarize)
+from harness.speed import (Run, adapt_draft, draft_label, interleave, make_draft, paired_runs, parse_spec,
+                           peer_runs, records_for_file, summarize)
 from harness.stats import reliability
 from harness.step_table import (SHAPES, cpu_layouts, decode_speed_table, print_auto_choice, step_profile,
                         weights_quality)
@@ -82,16 +83,25 @@ class HeadCalibration(Draft):
         self.draft.commit(new_ids, n_accepted, features)
 
 
-def speed_runs(args, target, choice: dict, tokenizer, generator, encoded: list, step_fn=None):
+def speed_runs(args, target, choice: dict, tokenizer, generator, encoded: list):
     """Every draft x verifier x temperature and the baseline on the encoded prompts ([(category,
-    ids)]), interleaved prompt by prompt, decoding with step_fn (a compiled target) or the target.
+    ids)]), interleaved prompt by prompt, decoding with the target, compiled with --compile
+    (engine.compiled, after the drafts: its graphs return the hidden states they read).
     Returns {run name: [one result per prompt]}, {run name: temperature} and the verification
     heads' reliability per run."""
+    drafts = {(spec, t): make_draft(spec, target, tokenizer, t, generator) for t in args.temperatures
+              for spec in args.drafts}
+    step_fn = None
+    if args.compile:
+        hidden_layers = sorted({i for draft in drafts.values() for i in draft.target_layers})
+        step_fn = compile_target(target, args.num_draft_tokens + 1 if drafts else 1, hidden_layers, args.device)
+    costs = step_fn.block_costs() if step_fn is not None and args.device == "cpu" else \
+        run_block_costs(target, choice)
     runs = []
     for temperature in args.temperatures:
         runs.append(Run(f"baseline T={temperature:g}", temperature, target))
         for spec in args.drafts:
-            draft = make_draft(spec, target, tokenizer, temperature, generator, choice)
+            draft = adapt_draft(spec, drafts[spec, temperature], costs, temperature, args.device)
             if isinstance(draft, (Eagle3Draft, DFlashDraft)):  # its head's probability against what was kept
                 draft = HeadCalibration(draft)
             for name in args.verifiers:
@@ -102,7 +112,7 @@ def speed_runs(args, target, choice: dict, tokenizer, generator, encoded: list, 
                 runs.append(Run(f"{draft_label(spec)} {name} T={temperature:g}", temperature, target, draft,
                                 Verifier(name), tree=parse_spec(spec)[2]))
         if args.peers:
-            runs += peer_runs(args.target, temperature, args.num_draft_tokens)
+            runs += peer_runs(args.target, temperature, args.num_draft_tokens, transformers=args.peers == "all")
     records = interleave(runs, encoded, args.num_draft_tokens, args.max_new_tokens, tokenizer.stop_ids,
                          generator, args.device, args.warmup, step_fn)
     calibrations = {run.name: reliability(run.draft.pairs) for run in runs if isinstance(run.draft, HeadCalibration)}
@@ -212,8 +222,9 @@ def add_prompt_args(ap):
 def add_peer_args(ap):
     """transformers' generation beside ours, or no speed runs at all."""
     g = ap.add_argument_group("peers and speed runs")
-    g.add_argument("--peers", action="store_true",
-                   help="also run transformers' generate and assisted lookup")
+    g.add_argument("--peers", nargs="?", const="all", default=None, choices=("all", "llama.cpp"),
+                   help="also run peers on the same weights: all (transformers' generate and assisted lookup, "
+                        "and llama.cpp on the default target's GGUF) or llama.cpp alone")
     g.add_argument("--speed-off", action="store_true", help="skip the speed runs")
 
 
@@ -304,10 +315,8 @@ def check_and_complete(ap, args):
         ap.error(f"two --drafts have one name: {', '.join(sorted({n for n in labels if labels.count(n) > 1}))}")
     args.categories = args.categories.split(",") if args.categories else None
     args.compile = wants_compile(args.compile, args.device)
-    if args.compile and args.device == "cpu" and args.drafts and not args.speed_off:
-        print("note: with --compile on a CPU the one-token steps are compiled and blocks are not; they round a "
-              "few values apart, so the drafts' runs may part from plain decoding "
-              "(prompts_with_the_baseline_tokens)", file=sys.stderr)
+    if args.compile and any(parse_spec(spec)[2] for spec in args.drafts):
+        ap.error("--drafts ...@tree needs --compile off: compiled runs verify chains, one static block shape")
     table = {"auto": "qwen3-4b,llama-3.1-8b" if args.device.startswith("cuda") else "", "none": ""}
     args.decode_table = [n for n in table.get(args.decode_table, args.decode_table).split(",") if n]
     if any(n not in SHAPES for n in args.decode_table):
@@ -402,14 +411,11 @@ def main(argv=None):
         if args.compile:  # a compiled step attends its whole cache: size it to what the prompts reach
             reach = max(len(ids) for _, ids in encoded) + args.max_new_tokens + \
                 max(args.num_draft_tokens, max((parse_spec(d)[2] for d in args.drafts), default=0)) + 1
-            target.setup_caches(1, min(reach, target.max_seq_len))
-        step_fn = compile_step(target) if args.compile else None
+            target.setup_caches(1, cache_slots(reach, target.max_seq_len))
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        records, temperatures, calibrations = speed_runs(args, target, choice, tokenizer, generator, encoded,
-                                                         step_fn)
+        records, temperatures, calibrations = speed_runs(args, target, choice, tokenizer, generator, encoded)
         summary = summarize(records, temperatures, calibrations)
         paired = paired_runs(args.paired, records)
-        step_fn = None  # nor its compiled wrapper: the decode table wants the memory
     target = None  # the decode table and the quality check want the memory
     layouts = ([target_layout(args.dtype, args.device, False)] if args.dtype not in (None, "auto") else
                cpu_layouts() if args.device == "cpu" else ["bfloat16"])  # (--dtype names the one to time)

@@ -12,16 +12,16 @@ import codecs
 import json
 import math
 import sys
-import time
 
 import torch
 
 import model as M
 from engine.checkpoints import CONFIDENCE_EXIT_DEFAULT, DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
+from engine.compiled import COMPILED_K, cache_slots, compile_target
 from engine.files import os_error_text, repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, recheck_kept_timing,
                             run_block_costs, target_layout)
-from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compile_step,
+from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options,
                             machine_problem, pick_threads, wall_clock, wants_compile)
 from data.prompts import read_prompts
 from draft import EXIT_SIGNALS
@@ -57,7 +57,9 @@ def add_speculation_args(ap):
     g.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
                    help="'none' is plain autoregressive decoding (sampling at T > 0); default: greedy at "
                         "T = 0, lossless at T > 0")
-    g.add_argument("-k", "--num-draft-tokens", type=int, default=DECODE_K, help="tokens drafted per step")
+    g.add_argument("-k", "--num-draft-tokens", type=int, default=None,
+                   help=f"tokens drafted per step (default: {DECODE_K}; compiled, {COMPILED_K}: a compiled block is "
+                        "padded to its full length)")
     g.add_argument("--early-exit", nargs="?", const="auto", default=None,
                    type=threshold,
                    help="EAGLE-3/DFlash: stop drafting where the exit signal falls below this. Default and bare "
@@ -127,6 +129,8 @@ def check_and_complete(ap, args):
         value = getattr(args, name)
         if value is not None and not math.isfinite(value):
             ap.error(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = COMPILED_K if wants_compile(args.compile, args.device) else DECODE_K
     if args.num_draft_tokens < 1:
         ap.error(f"-k must be >= 1, got {args.num_draft_tokens}")
     if args.max_seq_len < 2:
@@ -172,9 +176,9 @@ def check_and_complete(ap, args):
         ap.error("--tree drafts trees for a verifier to check; with --verifier none nothing is drafted")
     if args.adaptive and adaptive_tree_problem(args.tree, args.temperature):
         ap.error(adaptive_tree_problem(args.tree, args.temperature))
-    if args.tree and wants_compile(args.compile, args.device) and args.device != "cpu":
-        ap.error("--tree needs --compile off on CUDA: a compiled step there has one static graph per block shape, "
-                 "and every tree has a shape of its own")
+    if args.tree and wants_compile(args.compile, args.device):
+        ap.error("--tree needs --compile off: compiled runs verify chains, one static block shape (a tree's "
+                 "mask and moves are its own), and an eager tree would part from the compiled steps' bits")
     if args.adaptive is None:  # every draft's chain: a draft that does not pay here then costs only its probes
         args.adaptive = not args.tree
     complete_early_exit(ap, args)
@@ -254,50 +258,32 @@ def encode_prompts(args, tokenizer, context: int, verifier: Verifier) -> list:
     return encoded
 
 
-def run_draft(args, target, choice: dict, tokenizer, generator, step_fn=None):
-    """The run's draft, or None (plain decoding). Where the layout's blocks (in the run's forward step_fn, default
-    the target's own) are not exact here, the default decodes plainly (drafting would change the
-    output) and a draft asked for is run with a warning. So it does where a CPU run compiles its
-    one-token steps (machine.compile_step) and verifies with eager blocks: inductor's kernels
-    compute some functions (exp, rsqrt) to other last bits than eager code, and now and then a
-    value rounds to another bf16, so a block's row can part from the compiled step's."""
+def run_draft(args, target, choice: dict, tokenizer, generator):
+    """The draft asked for, built, or None (--verifier none)."""
     if args.verifier == "none":
         return None
-    if target.one_token_trunk is not None:
-        why, remedy = "--compile on compiles one-token steps only, and blocks round a few values otherwise", \
-            "--compile off"
-    elif not drafting_is_exact(target, choice, args.num_draft_tokens + 1, step_fn):
-        why, remedy = f"on this CPU {layout_of(target)} blocks do not give the bits of one-token steps", \
-            "--dtype float32"
-    else:
-        why = None
-    if why:
-        print(f"note: {why}, so drafting changes the output" + (": decoding plainly" if args.default_draft else "") +
+    return build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
+                       generator=generator, early_exit=args.early_exit, exit_signal=args.early_exit_signal)
+
+
+def exact_draft(args, target, choice: dict, draft, compiled=None):
+    """The draft the run decodes with: None where the run's blocks (compiled's, when the run is
+    compiled) do not give the bits of its one-token steps here and the draft is the default one
+    (drafting would change the output; a draft asked for runs, with a warning), and with
+    --adaptive its length chosen each step by what its blocks cost."""
+    if draft is None:
+        return None
+    if not drafting_is_exact(target, choice, args.num_draft_tokens + 1, compiled):
+        remedy = "--compile off" if compiled is not None else "--dtype float32"
+        print(f"note: on this CPU {layout_of(target)} blocks do not give the bits of one-token steps, so drafting "
+              "changes the output" + (": decoding plainly" if args.default_draft else "") +
               f" ({remedy} drafts exactly)", file=sys.stderr)
         if args.default_draft:
             return None
-    draft = build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
-                        generator=generator, early_exit=args.early_exit, exit_signal=args.early_exit_signal)
     if not args.adaptive:
         return draft
-    return adaptive(draft, run_block_costs(target, choice), args.tree, args.temperature, wall_clock(args.device))
-
-
-def compiled_step(target, device: str):
-    """machine.compile_step, saying what it does; on a CPU the one-token step compiles here, once,
-    rather than inside the first prompt's timing (at a later slot than 0, as a key count of 0 or 1
-    would be compiled as a constant; the prefill rewrites that slot)."""
-    step_fn = compile_step(target)
-    if device != "cpu":
-        print("note: --compile on compiles the step for each block length the run meets, when it first meets it",
-              file=sys.stderr)
-        return step_fn
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        target(torch.zeros(1, 1, dtype=torch.long), torch.tensor([min(8, target.max_seq_len - 1)]))
-    print(f"note: --compile on: the one-token step compiled in {time.perf_counter() - t0:.0f} s (the first time "
-          f"slowly, then from inductor's cache on disk); blocks and trees run uncompiled", file=sys.stderr)
-    return step_fn
+    costs = compiled.block_costs() if compiled is not None and args.device == "cpu" else run_block_costs(target, choice)
+    return adaptive(draft, costs, args.tree, args.temperature, wall_clock(args.device))
 
 
 def main(argv=None):
@@ -317,11 +303,14 @@ def main(argv=None):
         print(f"note: --retime: {forget_timings(path)} kept layout timings of this model dropped", file=sys.stderr)
     # the cache holds what this run can reach, not all of --max-seq-len
     reach = max(len(ids) for ids in encoded) + args.max_new_tokens + max(args.num_draft_tokens, args.tree) + 1
-    target, _, choice = load_target(str(path), args.device, layout, min(context, reach))
+    slots = cache_slots(reach, context) if compiled else min(context, reach)
+    target, _, choice = load_target(str(path), args.device, layout, slots)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     print(f"[{layout_reason(target, choice)}]", file=sys.stderr)
-    step_fn = compiled_step(target, args.device) if compiled else target
-    draft = run_draft(args, target, choice, tokenizer, generator, step_fn if compiled else None)
+    draft = run_draft(args, target, choice, tokenizer, generator)
+    block = args.num_draft_tokens + 1 if draft else 1
+    step_fn = compile_target(target, block, draft.target_layers if draft else (), args.device) if compiled else None
+    draft = exact_draft(args, target, choice, draft, step_fn)
     results = decode_prompts(args, encoded, target, tokenizer, draft, verifier, generator, step_fn)
     if args.device == "cpu" and not compiled:  # (a compiled step is faster than the eager one timed)
         recheck_timing(path, target, bool(choice), encoded, results)

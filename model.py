@@ -310,14 +310,11 @@ class Transformer(nn.Module):
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def set_step_modes(self, attend_full_cache: bool = False, one_token_trunk=None):
-        """The two ways a forward can run besides the eager default, for whoever compiles it:
-        attend_full_cache: every forward attends all max_seq_len slots under a mask, one static shape
-        (a whole-forward graph, e.g. CUDA graphs, never recompiles for a longer context);
-        one_token_trunk: a callable with trunk's signature (a compiled trunk) that plain one-token
-        steps take instead of trunk; blocks and trees stay eager."""
+    def set_step_modes(self, attend_full_cache: bool = False):
+        """attend_full_cache: every forward attends all max_seq_len slots under a mask, one static
+        shape whatever the context, which a compiled forward (engine/compiled.py) needs to run one
+        graph a whole run."""
         self.attend_full_cache = attend_full_cache
-        self.one_token_trunk = one_token_trunk
 
     def attend_rows_apart(self):
         """Make every verification block attend one query at a time, as a one-token step does.
@@ -352,6 +349,14 @@ class Transformer(nn.Module):
         cache slots per sequence (left padding in a batch).
         tree_parents (T-1 ints) makes the block a draft tree (see tree_attention): input_pos are
         then the cache slots it is written to, and keep_path moves the accepted path into place."""
+        x, hidden = self.decoder(tokens, input_pos, tuple(hidden_layers), key_valid, tree_parents)
+        if last_logits_only:
+            x = x[:, -1:]
+        return self.lm_head(x), hidden
+
+    def decoder(self, tokens, input_pos, hidden_layers=(), key_valid=None, tree_parents=None):
+        """forward without the output head: (B, T) tokens -> (B, T, dim) final-normed states, and the
+        hidden states named by hidden_layers. What engine/compiled.py compiles."""
         assert self.max_seq_len, "call setup_caches() first"
         kv_len = self.max_seq_len if self.attend_full_cache else int(input_pos[-1]) + 1
         # how many slots each row of a short block sees, read once (compiled: the whole cache, masked)
@@ -363,13 +368,7 @@ class Transformer(nn.Module):
             mask = attention_mask(input_pos, kv_len, key_valid, self.attend_full_cache)
         else:
             rope_pos, mask, row_keys, tree_moves = tree_attention(tree_parents, input_pos, kv_len)
-        # a plain one-token step (it attends its whole visible cache: no mask) takes the compiled
-        # trunk where there is one, with its key count passed as a number: one graph for every context
-        trunk = self.one_token_trunk if self.one_token_trunk is not None and mask is None else self.trunk
-        x, hidden = trunk(tokens, rope_pos, input_pos, kv_len, mask, row_keys, tree_moves, tuple(hidden_layers))
-        if last_logits_only:
-            x = x[:, -1:]
-        return self.lm_head(x), hidden
+        return self.trunk(tokens, rope_pos, input_pos, kv_len, mask, row_keys, tree_moves, hidden_layers)
 
     def trunk(self, tokens, rope_pos, input_pos, kv_len: int, mask=None, row_keys=None, tree_moves=None,
               hidden_layers=()):

@@ -248,7 +248,7 @@ def blocks_match_steps(target: M.Transformer, block: int, trials: int = 3, step=
     step = target if step is None else step
     context = min(64, target.max_seq_len - block)
     generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
+    with torch.inference_mode():  # (as generate runs: a compiled step guards on it)
         for _ in range(trials):
             tokens = torch.randint(0, target.args.vocab_size, (1, context + block), generator=generator)
             positions = torch.arange(context + block)

@@ -109,29 +109,6 @@ def unpack(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def compile_step(target, mode: str = "default"):
-    """torch.compile the target's step; returns what decoding calls for a forward.
-    On a CPU only the one-token step is compiled, and once for every context: its key count is
-    passed as a number (dynamic), so one graph serves a run whatever its length, where a graph of
-    static shapes would attend the whole cache. Inductor freezes the weights (packing them itself,
-    so oneDNN-packed Linears of the layers are unpacked first), fuses the small ops between the
-    matmuls and calls its kernels from C++: a one-token step is many small ops, and Python's cost
-    per op is what compiling saves. It rounds to bf16 wherever eager code does, yet its kernels
-    compute some functions (exp, rsqrt) to other last bits than eager code, so now and then a value
-    rounds to another bf16 and the compiled step parts from the eager one: blocks and trees, which
-    run eagerly, do not carry its bits, and decode.py does not draft by default when compiled on a
-    CPU. The output head stays out of the graph, as it is.
-    On CUDA the whole forward is compiled, attending the whole cache (one static graph per block
-    length); mode "reduce-overhead" adds CUDA graphs."""
-    if target.embed_tokens.weight.device.type == "cpu":
-        unpack(target.layers)
-        target.set_step_modes(one_token_trunk=torch.compile(target.trunk, dynamic=True, options={
-            "freezing": True, "cpp_wrapper": True, "emulate_precision_casts": True}))
-        return target
-    target.set_step_modes(attend_full_cache=True)
-    return torch.compile(target, dynamic=False, mode=mode)
-
-
 def machine_problem(device: str, threads: str, dtype: str | None, compiled: bool = False) -> str | None:
     """What is wrong with --device, --threads and --dtype together (decode.py, bench.py and
     lossy.py check them alike, before any weights load), or None."""

@@ -18,7 +18,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine.checkpoints import build_draft, checkpoint_step
-from engine.layouts import run_block_costs
 from engine.machine import peak_memory_mb, reset_peak_memory, wall_clock
 from harness.peers import hf_peer, llama_cpp_peer
 from speculative import adaptive, generate
@@ -86,17 +85,19 @@ def draft_label(spec: str) -> str:
     return name + (" +adaptive" if adapt else "")
 
 
-def make_draft(spec, target, tokenizer, temperature, generator, choice: dict):
-    """A --drafts entry (parse_spec) as a draft; the run's tree budget is parse_spec's too. choice:
-    auto's layout decision for the target ({} for a layout named), whose block costs an adaptive
-    draft weighs."""
+def make_draft(spec, target, tokenizer, temperature, generator):
+    """A --drafts entry (parse_spec) as a draft, before adapt_draft; the run's tree budget is
+    parse_spec's too."""
     base, early_exit, tree, adapt, signal = parse_spec(spec)
-    draft = build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
-                        early_exit=early_exit, exit_signal=signal)
-    if not adapt:
-        return draft
-    clock = wall_clock(target.embed_tokens.weight.device.type)
-    return adaptive(draft, run_block_costs(target, choice), tree, temperature, clock)
+    return build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
+                       early_exit=early_exit, exit_signal=signal)
+
+
+def adapt_draft(spec, draft, block_costs: tuple, temperature, device: str):
+    """The draft of a --drafts entry with @adapt, its length chosen by block_costs (what the run's
+    target forwards cost: engine.layouts.run_block_costs, or a compiled target's block_costs)."""
+    _, _, tree, adapt, _ = parse_spec(spec)
+    return adaptive(draft, block_costs, tree, temperature, wall_clock(device)) if adapt else draft
 
 
 @dataclass
@@ -148,12 +149,14 @@ def interleave(runs: list, prompts: list, k: int, max_new_tokens: int, stop_ids,
     return records
 
 
-def peer_runs(target_name: str, temperature: float, k: int) -> list:
-    """transformers' generate and assisted lookup on the same weights; llama.cpp on the same GGUF
-    file when the target is the embedded default and llama-cpp-python is installed."""
+def peer_runs(target_name: str, temperature: float, k: int, transformers: bool = True) -> list:
+    """transformers' generate and assisted lookup on the same weights (unless transformers is
+    False); llama.cpp on the same GGUF file when the target is the embedded default and
+    llama-cpp-python is installed."""
     target_dir = resolve_model(target_name)
     runs = [Run(f"{label} T={temperature:g}", temperature, peer=hf_peer(target_dir, kind, k))
-            for kind, label in (("generate", "transformers generate"), ("assisted", "transformers assisted lookup"))]
+            for kind, label in (("generate", "transformers generate"), ("assisted", "transformers assisted lookup"))
+            if transformers]
     if target_name != DEFAULT_TARGET:
         return runs
     try:

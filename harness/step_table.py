@@ -16,7 +16,7 @@ from engine import linear_forms as LF
 import model as M
 from engine.files import DATA, read_jsonl
 from engine.layouts import LAYOUTS, apply_layout, block_cost_model, layout_dtype, load_target
-from engine.machine import compile_step
+from engine.compiled import CompiledTarget
 
 # -----------------------------------------------------------------------------
 # Decode-speed table: the named targets' shapes with random weights, against the bandwidth floor.
@@ -103,8 +103,8 @@ def decode_speed_table(names, device: str, layouts, compile_modes=(False, True),
                        context: int = 256, reps: int = 20, copy_bytes: int = 1 << 30):
     """Per shape and weight layout: one decode step (eager, and compiled for the fp32 and int4 (CPU)
     or bf16 (CUDA) layouts when asked), against the bandwidth floor of the bytes that step reads, and
-    what verifying k+1 tokens costs against it (compiled on CUDA: chains of up to 8 tokens only, as
-    each block length is a compile there; a CPU's compiled run verifies eagerly)."""
+    what verifying k+1 tokens costs against it (compiled: chains of up to 8 tokens, every one a
+    block of the longest padded, as decoding compiled runs them)."""
     bandwidth = copy_bandwidth(device, copy_bytes)
     compilable = ("bfloat16",) if device.startswith("cuda") else ("float32", "int4")
     rows = []
@@ -136,11 +136,12 @@ def decode_speed_table(names, device: str, layouts, compile_modes=(False, True),
                 if False in compile_modes:
                     measure(net, None, verify_k)
                 if True in compile_modes and layout in compilable:
-                    # CUDA: static shapes, one graph per block length (CUDA graphs remove the per-kernel
-                    # launch cost there); a CPU compiles the one-token step and runs blocks eagerly
+                    # the decode path's graphs (engine.compiled): a step and one block of the longest
+                    # chain, which shorter blocks are padded to (CUDA graphs on CUDA)
+                    chains = [k for k in verify_k if k <= 7]
                     cuda = device.startswith("cuda")
-                    measure(compile_step(net, "reduce-overhead" if cuda else "default"),
-                            "reduce-overhead" if cuda else "freezing", [k for k in verify_k if k <= 7 or not cuda])
+                    measure(CompiledTarget(net, max(chains) + 1, (), "reduce-overhead" if cuda else "default"),
+                            "reduce-overhead" if cuda else "freezing", chains)
             del net
             torch._dynamo.reset()  # drop the compiled graphs before the next layout
             if device.startswith("cuda"):

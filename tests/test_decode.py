@@ -10,7 +10,6 @@ import torch
 from engine import weights as WT
 from engine import linear_forms as LF
 from engine.files import ROOT
-from engine.machine import compile_step
 from speculative import generate
 from draft import LookupDraft, ModelDraft
 from verify import Verifier, probs_from_logits
@@ -234,61 +233,34 @@ def test_a_bad_prompt_file_fails_in_one_line_from_the_command_line(tmp_path):
     assert r.stdout == ""
 
 
-@pytest.mark.slow  # ~1 min of inductor compiles
-def test_compiled_step_gives_the_eager_tokens(tiny):
-    """decode.py --compile: the compiled, full-cache-attending (unpacked) target decodes the same tokens."""
-    eager, compiled = load(tiny), load(tiny)
-    step = compile_step(compiled)
-    prompt = [5, 9, 2, 5, 9, 2, 5, 9, 11, 3]
-    want = generate(eager, prompt, LookupDraft(), Verifier("greedy"), 3, 24)
-    got = generate(compiled, prompt, LookupDraft(), Verifier("greedy"), 3, 24, step_fn=step)
-    assert got["tokens"] == want["tokens"] and got["target_forwards"] == want["target_forwards"]
+@pytest.mark.slow  # the default target's step and block compile (minutes the first time)
+def test_decode_compile_on_drafts_and_prints_compiled_plain_decodings_text():
+    def run(*extra):
+        r = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--compile", "on", "--max-new-tokens", "40",
+                            "--prompt", "Repeat after me: one two three, one two three.", *extra],
+                           capture_output=True, text=True, timeout=1200, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r
+    plain, default = run("--verifier", "none"), run()
+    assert "compiling the one-token step" in plain.stderr and "verification block" not in plain.stderr
+    assert "compiling the verification block of 6" in default.stderr and "decoding plainly" not in default.stderr
+    assert default.stdout == plain.stdout and default.stdout.strip()
 
 
-def test_compiled_int4_step_is_the_eager_step_to_rounding(smollm2_dir):
-    """decode.py --dtype int4 --compile on: one-token steps run a compiled trunk, one graph for every
-    context (the key count is dynamic), with the eager step's logits up to bf16 rounding; blocks
-    run eagerly, through the packed head, as before."""
-    from engine.layouts import build_target
-    eager = build_target(smollm2_dir, "int4", "cpu", 128, n_layer=2)
-    target = build_target(smollm2_dir, "int4", "cpu", 128, n_layer=2)
-    step = compile_step(target)
-    assert step is target and target.one_token_trunk is not None
-    assert type(target.lm_head) is LF.PackedLinear  # the head stays out of the graph, as it is
-    tokens = torch.randint(0, target.args.vocab_size, (1, 90), generator=torch.Generator().manual_seed(1))
-    torch._dynamo.utils.counters.clear()
-    with torch.inference_mode():
-        for n in (40, 89):
-            for model in (eager, target):
-                model(tokens[:, :n], torch.arange(n))
-            want, _ = eager(tokens[:, n:n + 1], torch.tensor([n]))
-            got, _ = target(tokens[:, n:n + 1], torch.tensor([n]))
-            torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.05)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1  # (none if cached from another test)
-
-
-@pytest.mark.slow  # the default target's step compiles (about a minute the first time)
-def test_decode_compile_on_compiles_before_the_prompt_and_decodes_plainly():
-    r = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--compile", "on", "--max-new-tokens", "12",
-                        "--prompt", "Name three colours."], capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "the one-token step compiled in" in r.stderr and "decoding plainly" in r.stderr
-    assert "[plain decoding, T=0" in r.stderr and r.stdout.strip()
-
-
-def test_a_compiled_cpu_run_decodes_plainly_by_default(tiny, capsys):
-    """Compiled one-token steps and eager blocks may round a value apart, so with --compile on a CPU
-    the default does not draft (and says so), and a draft asked for runs with a warning."""
-    from decode import get_args, run_draft
+def test_a_run_whose_blocks_are_not_exact_decodes_plainly_by_default(tiny, capsys, monkeypatch):
+    """Where the run's blocks do not give its steps' bits, the default does not draft (and says
+    so), and a draft asked for runs with a warning."""
+    import decode
     target = load(tiny)
-    target.set_step_modes(one_token_trunk=target.trunk)  # (compile_step installs it compiled)
-    tokenizer = None
-    args = get_args(["--compile", "on"])
-    assert run_draft(args, target, {}, tokenizer, None) is None
-    assert "--compile on compiles one-token steps only" in capsys.readouterr().err
-    args = get_args(["--compile", "on", "--draft", "lookup", "--no-adaptive"])  # (adaptive: tests/test_layouts.py)
-    assert run_draft(args, target, {}, tokenizer, None) is not None
-    assert "drafting changes the output (--compile off drafts exactly)" in capsys.readouterr().err
+    monkeypatch.setattr(decode, "drafting_is_exact", lambda *a: False)
+    args = decode.get_args([])
+    assert decode.exact_draft(args, target, {}, LookupDraft()) is None
+    assert "blocks do not give the bits of one-token steps, so drafting changes the output: decoding plainly " \
+           "(--dtype float32 drafts exactly)" in capsys.readouterr().err
+    args = decode.get_args(["--draft", "lookup", "--no-adaptive", "--compile", "on"])
+    draft = LookupDraft()
+    assert decode.exact_draft(args, target, {}, draft, compiled=object()) is draft
+    assert "changes the output (--compile off drafts exactly)" in capsys.readouterr().err
 
 
 def test_auto_threads_leave_a_busy_core_alone():

@@ -1,0 +1,71 @@
+"""The compiled decode path (engine/compiled.py): a compiled step and a compiled, padded
+verification block print compiled plain decoding's tokens, chains of any adaptive length meet
+the same two graphs, and nothing recompiles once they are warm. On the default target's first two
+layers in int4 (its real weights, so real bf16 rounding), compiled as decode.py compiles it."""
+import pytest
+import torch
+
+from draft import AdaptiveDraft, LookupDraft
+from engine.compiled import compile_target
+from engine.layouts import blocks_match_steps, build_target
+from speculative import generate
+
+K = 4
+PROMPT = [1, 504, 3458, 314, 253, 1789, 30, 504, 3458, 314, 253] * 3  # repeats: lookup drafts often
+
+
+@pytest.fixture(scope="module")
+def compiled(smollm2_dir):
+    torch._dynamo.reset()
+    target = build_target(smollm2_dir, "int4", "cpu", 160, n_layer=2)
+    return compile_target(target, K + 1)
+
+
+def decode(compiled, draft=None, k=0, temperature=0.0, generator=None, new=48):
+    return generate(compiled.target, PROMPT, draft, None, k=k, max_new_tokens=new, temperature=temperature,
+                    generator=generator or torch.Generator().manual_seed(0), step_fn=compiled)
+
+
+def test_compiled_blocks_give_the_bits_of_compiled_steps(compiled):
+    assert all(blocks_match_steps(compiled.target, n, step=compiled) for n in (2, K + 1))
+
+
+def test_compiled_speculation_prints_compiled_plain_tokens_and_never_recompiles(compiled):
+    plain = decode(compiled)
+    torch._dynamo.utils.counters.clear()
+    fixed = decode(compiled, LookupDraft(), K)
+    adaptive = decode(compiled, AdaptiveDraft(LookupDraft(), *compiled.block_costs()), K)
+    assert fixed["tokens"] == plain["tokens"] and adaptive["tokens"] == plain["tokens"]
+    assert fixed["target_forwards"] < plain["target_forwards"]  # it drafted, and kept some
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 0 and not counters["recompiles"], dict(counters)
+
+
+def test_a_block_past_the_graph_or_a_tree_runs_the_eager_forward(compiled):
+    target = compiled.target
+    before = dict(torch._dynamo.utils.counters["stats"])
+    with torch.inference_mode():
+        long, _ = compiled(torch.tensor([PROMPT[:K + 3]]), torch.arange(K + 3))
+        want, _ = target(torch.tensor([PROMPT[:K + 3]]), torch.arange(K + 3))
+    assert torch.equal(long, want) and dict(torch._dynamo.utils.counters["stats"]) == before
+
+
+def test_compiled_sampling_keeps_the_compiled_targets_distribution(compiled):
+    """At T = 1 lossless speculation through the compiled block draws the first token from the
+    compiled step's softmax (a goodness-of-fit test over many seeds), where the lookup draft's own
+    proposal, one token always, is far from it."""
+    L, runs = len(PROMPT), 600
+    with torch.inference_mode():
+        compiled.target(torch.tensor([PROMPT[:-1]]), torch.arange(L - 1))
+        logits, _ = compiled(torch.tensor([PROMPT[-1:]]), torch.tensor([L - 1]))
+    exact = logits[0, -1].double().softmax(-1)
+    counts, generator = torch.zeros_like(exact), torch.Generator().manual_seed(0)
+    for _ in range(runs):  # (one stream: torch's draws from consecutive small seeds are not independent enough)
+        counts[decode(compiled, LookupDraft(), K, temperature=1.0, generator=generator, new=2)["tokens"][0]] += 1
+    keep = exact * runs >= 5
+    chi2 = ((counts[keep] - runs * exact[keep]) ** 2 / (runs * exact[keep])).sum().item()
+    df = int(keep.sum()) - 1
+    assert df >= 2 and chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
+    proposed = LookupDraft()
+    proposed.start(PROMPT)
+    assert exact[int(proposed.propose(1)[0][0])] < 0.8  # (the test has power: the draft's token is no sure thing)
