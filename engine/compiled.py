@@ -61,19 +61,29 @@ class CompiledTarget:
         # faster than what inductor makes of it, and a block's padded rows need no logits
         if cpu:
             unpack(target.layers)  # (inductor cannot read oneDNN's blocked weights; freezing packs them)
-            self.graph = torch.compile(self.visible_decoder, dynamic=True, fullgraph=True, options=CPU_OPTIONS)
+            self.slots = torch.arange(target.max_seq_len)  # (a slice of it carries a graph's key count)
+            self.step_graph, self.block_graph = (torch.compile(f, fullgraph=True, options=CPU_OPTIONS)
+                                                 for f in (self.visible_step, self.visible_block))
         else:
             target.set_step_modes(attend_full_cache=True)
-            self.graph = torch.compile(target.decoder, dynamic=False, fullgraph=True, mode=mode)
+            self.step_graph = self.block_graph = torch.compile(target.decoder, dynamic=False, fullgraph=True,
+                                                               mode=mode)
         self.copy_outputs = not cpu and mode == "reduce-overhead"  # a CUDA graph reuses its outputs
 
-    def visible_decoder(self, tokens, input_pos, kv_len: int, hidden_layers=()):
+    def visible_step(self, tokens, input_pos, visible):
+        return self.visible_decoder(tokens, input_pos, visible.shape[0])
+
+    def visible_block(self, tokens, input_pos, visible):  # (its own function: its own graph, never the step's)
+        return self.visible_decoder(tokens, input_pos, visible.shape[0])
+
+    def visible_decoder(self, tokens, input_pos, kv_len):
         """target.decoder for a chain block or a step on a CPU, attending the kv_len visible keys
-        only, each row its own (kv_len a number: one graph for every context)."""
+        only, each row its own: kv_len is the length of a slice marked dynamic (one graph for
+        every context), where an int argument would make every int of the graph dynamic."""
         T = tokens.shape[1]
         row_keys = [kv_len - T + 1 + t for t in range(T)] if T > 1 else None
         mask = M.attention_mask(input_pos, kv_len) if T > 1 else None  # (T, kv_len)
-        return self.target.trunk(tokens, input_pos, input_pos, kv_len, mask, row_keys, None, hidden_layers)
+        return self.target.trunk(tokens, input_pos, input_pos, kv_len, mask, row_keys, None, self.hidden_layers)
 
     def __call__(self, tokens, input_pos, hidden_layers=(), last_logits_only=False, key_valid=None,
                  tree_parents=None):
@@ -91,8 +101,13 @@ class CompiledTarget:
         # (copied: the graphs are specialized to their inputs' strides as well as their shapes, and
         # a slice of one row is "contiguous" with its parent's strides)
         tokens, input_pos = tokens.clone(memory_format=torch.contiguous_format), input_pos.contiguous()
-        x, hidden = self.graph(tokens, input_pos, int(input_pos[-1]) + 1, self.hidden_layers) if self.cpu else \
-            self.graph(tokens, input_pos, self.hidden_layers)  # x: (B, 1 or block_len, dim)
+        graph = self.step_graph if T == 1 else self.block_graph
+        if self.cpu:
+            visible = self.slots[:int(input_pos[-1]) + 1]
+            torch._dynamo.maybe_mark_dynamic(visible, 0)  # (guards may bound it: a context past them, another graph)
+            x, hidden = graph(tokens, input_pos, visible)  # x: (B, 1 or block_len, dim)
+        else:
+            x, hidden = graph(tokens, input_pos, self.hidden_layers)
         if self.copy_outputs:
             x, hidden = x.clone(), [h.clone() for h in hidden]
         x = x[:, T - 1:T] if last_logits_only else x[:, :T]

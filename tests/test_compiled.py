@@ -16,9 +16,8 @@ PROMPT = [1, 504, 3458, 314, 253, 1789, 30, 504, 3458, 314, 253] * 3  # repeats:
 
 @pytest.fixture(scope="module")
 def compiled(smollm2_dir):
-    torch._dynamo.reset()
     target = build_target(smollm2_dir, "int4", "cpu", 160, n_layer=2)
-    return compile_target(target, K + 1)
+    return compile_target(target, K + 1, hidden_layers=(0, 2))  # (as an EAGLE-3 draft reads them)
 
 
 def decode(compiled, draft=None, k=0, temperature=0.0, generator=None, new=48):
@@ -28,6 +27,14 @@ def decode(compiled, draft=None, k=0, temperature=0.0, generator=None, new=48):
 
 def test_compiled_blocks_give_the_bits_of_compiled_steps(compiled):
     assert all(blocks_match_steps(compiled.target, n, step=compiled) for n in (2, K + 1))
+    with torch.inference_mode():  # and the hidden states a draft reads are the eager forward's rows
+        compiled.target(torch.tensor([PROMPT[:20]]), torch.arange(20))
+        logits, hidden = compiled(torch.tensor([PROMPT[20:23]]), torch.arange(20, 23), hidden_layers=(2,))
+        compiled.target(torch.tensor([PROMPT[:20]]), torch.arange(20))
+        want_logits, want = compiled.target(torch.tensor([PROMPT[20:23]]), torch.arange(20, 23), hidden_layers=(2,))
+    assert len(hidden) == 1 and hidden[0].shape == (1, 3, compiled.target.args.dim)
+    torch.testing.assert_close(hidden[0].float(), want[0].float(), rtol=0.02, atol=0.05)
+    torch.testing.assert_close(logits.float(), want_logits.float(), rtol=0.02, atol=0.1)
 
 
 def test_compiled_speculation_prints_compiled_plain_tokens_and_never_recompiles(compiled):
