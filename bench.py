@@ -87,8 +87,8 @@ def speed_runs(args, target, choice: dict, tokenizer, generator, encoded: list):
     """Every draft x verifier x temperature and the baseline on the encoded prompts ([(category,
     ids)]), interleaved prompt by prompt, decoding with the target, compiled with --compile
     (engine.compiled, after the drafts: its graphs return the hidden states they read).
-    Returns {run name: [one result per prompt]}, {run name: temperature} and the verification
-    heads' reliability per run."""
+    Returns {run name: [one result per prompt]}, {run name: temperature}, the verification
+    heads' reliability per run and the seconds each compiled graph took to compile ({} eager)."""
     drafts = {(spec, t): make_draft(spec, target, tokenizer, t, generator) for t in args.temperatures
               for spec in args.drafts}
     step_fn = None
@@ -116,7 +116,8 @@ def speed_runs(args, target, choice: dict, tokenizer, generator, encoded: list):
     records = interleave(runs, encoded, args.num_draft_tokens, args.max_new_tokens, tokenizer.stop_ids,
                          generator, args.device, args.warmup, step_fn)
     calibrations = {run.name: reliability(run.draft.pairs) for run in runs if isinstance(run.draft, HeadCalibration)}
-    return records, {run.name: run.temperature for run in runs}, calibrations
+    compile_seconds = step_fn.compile_seconds if step_fn is not None else {}
+    return records, {run.name: run.temperature for run in runs}, calibrations, compile_seconds
 
 
 # -----------------------------------------------------------------------------
@@ -398,7 +399,7 @@ def main(argv=None):
         return replot(args.plots_from)
     if args.device == "cpu":
         torch.set_num_threads(pick_threads(args.threads))
-    summary, records, paired, profiled = {}, {}, {}, {}
+    summary, records, paired, profiled, compile_seconds = {}, {}, {}, {}, {}
     layout, choice = None, {}  # (the target's, when one is loaded)
     if not args.speed_off or args.profile_step:
         layout = target_layout(args.dtype, args.device, args.compile)
@@ -408,12 +409,13 @@ def main(argv=None):
         profiled = step_profile(target, blocks=(1, args.num_draft_tokens + 1))
     if not args.speed_off:
         encoded = encode_prompts(args, tokenizer)
-        if args.compile:  # a compiled step attends its whole cache: size it to what the prompts reach
+        if args.compile:  # a compiled run's cache in buckets, so that other prompts meet the same graphs
             reach = max(len(ids) for _, ids in encoded) + args.max_new_tokens + \
                 max(args.num_draft_tokens, max((parse_spec(d)[2] for d in args.drafts), default=0)) + 1
             target.setup_caches(1, cache_slots(reach, target.max_seq_len))
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        records, temperatures, calibrations = speed_runs(args, target, choice, tokenizer, generator, encoded)
+        records, temperatures, calibrations, compile_seconds = speed_runs(args, target, choice, tokenizer,
+                                                                          generator, encoded)
         summary = summarize(records, temperatures, calibrations)
         paired = paired_runs(args.paired, records)
     target = None  # the decode table and the quality check want the memory
@@ -434,7 +436,7 @@ def main(argv=None):
     result = {
         "config": config, "machine": machine_stamp(args.device),
         "speed": summary, "paired": paired, "decode_table": table, "auto_choice": auto,
-        "weights_quality": quality, "step_profile": profiled,
+        "weights_quality": quality, "step_profile": profiled, "compile_seconds": compile_seconds,
         "plots": [shown(p) for p in images],
         "runs": records_for_file(records, temperatures) if records else {},  # every run on every prompt
     }
