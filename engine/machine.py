@@ -89,7 +89,8 @@ def wall_clock(device: str):
 
 
 def wants_compile(flag: str, device: str) -> bool:
-    """--compile auto|on|off: auto compiles on CUDA only (on CPU the packed eager model is faster)."""
+    """--compile auto|on|off: auto compiles on CUDA only. On a CPU a compiled run's start costs more
+    than its steps save on an answer of a few hundred tokens (docs/compiled)."""
     return flag == "on" or (flag == "auto" and device.startswith("cuda"))
 
 
@@ -161,8 +162,9 @@ MACHINE_OPTIONS = {
                        "one-token step was timed fastest here (bf16 on CUDA; README: weight layouts); int8 and "
                        "int4 change the model a little"),
     "compile": dict(default="auto", choices=("auto", "on", "off"),
-                    help="torch.compile the decode step; auto: on for CUDA only. On a CPU the one-token step "
-                         "compiles once (slowly at first, then cached on disk), which pays only over long runs"),
+                    help="torch.compile the step and the verification block (engine/compiled.py); auto: on for "
+                         "CUDA only. On a CPU the first compile takes minutes and every later start tens of "
+                         "seconds (README: compiled decoding)"),
     "threads": dict(default="auto", help="CPU threads; auto: one per core idle at the start (a thread on a busy "
                                          "core stalls the others: time with nothing else running)"),
 }
