@@ -163,8 +163,7 @@ MACHINE_OPTIONS = {
                        "int4 change the model a little"),
     "compile": dict(default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the step and the verification block (engine/compiled.py); auto: on for "
-                         "CUDA only. On a CPU the first compile takes minutes and every later start tens of "
-                         "seconds (README: compiled decoding)"),
+                         "CUDA only, since on a CPU every start compiles for tens of seconds (docs/compiled)"),
     "threads": dict(default="auto", help="CPU threads; auto: one per core idle at the start (a thread on a busy "
                                          "core stalls the others: time with nothing else running)"),
 }

@@ -322,8 +322,8 @@ def test_default_target_tree_decoding_is_its_plain_decoding(default_int4):
 def test_cli_tree_flags(capsys):
     from decode import TokenColours, get_args
     assert get_args(["--tree", "8"]).adaptive is False  # adaptive lookup is the chain's default only
-    assert get_args(["--tree", "8", "--compile", "on"]).tree == 8  # a CPU compiles one-token steps only
     for argv, message in ((["--tree", "-1"], "--tree takes"),
+                          (["--tree", "8", "--compile", "on"], "--tree needs --compile off"),
                           (["--tree", "8", "--adaptive", "--temperature", "1"], "temperature 0 only")):
         with pytest.raises(SystemExit):
             get_args(argv)
