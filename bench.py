@@ -95,8 +95,10 @@ def speed_runs(args, target, choice: dict, tokenizer, generator, encoded: list):
     if args.compile:
         hidden_layers = sorted({i for draft in drafts.values() for i in draft.target_layers})
         step_fn = compile_target(target, args.num_draft_tokens + 1 if drafts else 1, hidden_layers, args.device)
-    costs = step_fn.block_costs() if step_fn is not None and args.device == "cpu" else \
-        run_block_costs(target, choice)
+    costs = None  # timed only where a draft adapts its length to them (@adapt)
+    if any(parse_spec(spec)[3] for spec in args.drafts):
+        costs = step_fn.block_costs() if step_fn is not None and args.device == "cpu" else \
+            run_block_costs(target, choice)
     runs = []
     for temperature in args.temperatures:
         runs.append(Run(f"baseline T={temperature:g}", temperature, target))
