@@ -61,51 +61,86 @@ class Stats:
             self.kept_at[i] += i < kept
 
 
-def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, stats: Stats, device,
-                     temperature: float = 0.0, top_p: float = 1.0, generator=None, on_verify=None,
-                     tree: int = 0, target=None, clock=None):
-    """The algorithm: the draft guesses k tokens; one target forward scores the last committed
-    token and the k guesses at positions [L-1, L+k-1]; the verifier keeps n guesses and adds one
-    token of its own. Returns the n + 1 new tokens, n, and the target's hidden states there.
-    With a tree budget, the draft proposes a tree of at most `tree` nodes and depth k instead; the
-    forward scores every node against its own ancestors, the verifier walks down one path, and
-    the target's cache keeps that path (target.keep_path). on_verify(p, q, guesses, n), when
-    given, sees what the verifier saw (lossy.py measures the distortion of each committed token
-    from it); for a tree, guesses are the accepted path's and p, q its rows. clock, when given,
-    times the drafting (stats.draft_seconds)."""
-    guesses, q, parents = torch.tensor([], dtype=torch.long), None, None
-    if k > 0:  # (plain decoding reads no clock here)
-        t0 = clock() if clock else None
-        if tree:
-            guesses, parents, q = draft.propose_tree(tree, k)
-        else:
-            guesses, q = draft.propose(k)
-        if clock:
-            stats.draft_seconds += clock() - t0
-    x = torch.cat([torch.tensor([seq[-1]]), guesses.cpu()]).to(device)[None]  # (1, n_guesses + 1)
+@dataclass
+class Step:
+    """What one speculative step decided: the tokens it commits (the `kept` guesses, then the
+    verifier's own token), the target's hidden states at the positions fed (the last committed
+    token's, then each verified guess's), and what the verifier saw: the guesses, the target's
+    probabilities p over them (rows: the fed token's, then each guess's) and the draft's q. For a
+    tree, guesses, p, q and hidden are the accepted path's; drafted counts every node."""
+    tokens: list
+    kept: int
+    hidden: list
+    guesses: torch.Tensor
+    p: torch.Tensor
+    q: torch.Tensor | None
+    drafted: int
+    depth: int | None = None  # a tree's depth (acceptance by position is then by depth)
+
+
+def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, temperature: float = 0.0,
+                     top_p: float = 1.0, generator=None) -> Step:
+    """The algorithm: the draft guesses k tokens; one target forward (step_fn) scores the last
+    committed token and the k guesses at positions [L-1, L+k-1]; the verifier keeps n guesses and
+    adds one token of its own. k = 0 is a plain step."""
+    guesses, q = draft.propose(k) if k > 0 else (torch.tensor([], dtype=torch.long), None)
+    logits, hidden = score(step_fn, seq, guesses, draft.target_layers)
+    p = probs_from_logits(logits[0], temperature, top_p)  # (k + 1, V)
+    q = None if q is None else q.to(p.device)
+    n, next_token = verify(p[None], None if q is None else q[None], guesses.to(p.device)[None], verifier,
+                           generator)
+    n = int(n)  # the one host sync of the step
+    return Step(guesses[:n].tolist() + [int(next_token)], n, hidden, guesses, p, q, len(guesses))
+
+
+def tree_step(target, seq: list, draft, size: int, depth: int, verifier: Verifier, temperature: float = 0.0,
+              top_p: float = 1.0, generator=None) -> Step:
+    """speculative_step with a tree: the draft proposes at most `size` nodes, at most `depth` deep;
+    the forward scores every node against its own ancestors (model.tree_attention), the verifier
+    walks down one path, and the target's cache keeps that path (target.keep_path)."""
+    guesses, parents, q = draft.propose_tree(size, depth)
+    chain = parents == list(range(-1, len(guesses) - 1))  # (a chain is verified as one)
+    logits, hidden = score(target, seq, guesses, draft.target_layers, None if chain else parents)
+    p = probs_from_logits(logits[0], temperature, top_p)  # (nodes + 1, V)
+    q = None if q is None else q.to(p.device)
+    path, next_token = verify_tree(p, q, guesses.to(p.device), parents, verifier, generator)
+    target.keep_path([len(seq) + i for i in path], len(seq))
+    rows = [0] + [i + 1 for i in path]  # the root's row and the accepted nodes'
+    return Step(guesses[path].tolist() + [int(next_token)], len(path), [h[:, rows] for h in hidden],
+                guesses[path], p[rows], None if q is None else q[path], len(guesses),
+                depth=max(tree_depths(parents), default=0))
+
+
+def score(step_fn, seq: list, guesses: torch.Tensor, hidden_layers, tree_parents=None):
+    """The target's forward over the last committed token and the guesses, at positions [L-1,
+    L-1+len(guesses)]: (logits (1, len(guesses) + 1, V), hidden states at hidden_layers)."""
+    device = step_fn.embed_tokens.weight.device
+    x = torch.cat([torch.tensor([seq[-1]]), guesses.cpu()]).to(device)[None]  # (1, len(guesses) + 1)
     positions = torch.arange(len(seq) - 1, len(seq) + len(guesses), device=device)
-    chain_shaped = parents is None or parents == list(range(-1, len(guesses) - 1))
-    logits, hidden = step_fn(x, positions, hidden_layers=draft.target_layers,
-                             tree_parents=None if chain_shaped else parents)
-    p = probs_from_logits(logits[0], temperature, top_p)  # (n_guesses + 1, V)
-    q = None if q is None else q.to(device)
-    if parents is None:
-        n, next_token = verify(p[None], None if q is None else q[None], guesses.to(device)[None], verifier,
-                               generator)
-        n = int(n)  # the one host sync of the step
-        stats.count(k, len(guesses), n)
-    else:
-        path, next_token = verify_tree(p, q, guesses.to(device), parents, verifier, generator)
-        n, rows = len(path), [0] + [i + 1 for i in path]  # the root's row and the accepted nodes'
-        target.keep_path([len(seq) + i for i in path], len(seq))
-        depth = max(tree_depths(parents), default=0)
-        stats.count(tree, len(guesses), n, depth=depth)  # (a tree is asked for `tree` nodes)
-        guesses, p = guesses[path], p[rows]
-        q = None if q is None else q[path]
-        hidden = [h[:, rows] for h in hidden]
-    if on_verify is not None:
-        on_verify(p, q, guesses, n)
-    return guesses[:n].tolist() + [int(next_token)], n, hidden
+    return step_fn(x, positions, hidden_layers=hidden_layers, tree_parents=tree_parents)
+
+
+class TimedDraft:
+    """A draft as it is, whose proposals a clock times (seconds: their sum): how a run with a
+    clock learns what its drafting cost, from outside the algorithm."""
+
+    def __init__(self, draft, clock):
+        self.draft, self.clock, self.seconds = draft, clock, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.draft, name)
+
+    def timed(self, propose, *args):
+        t0 = self.clock()
+        out = propose(*args)
+        self.seconds += self.clock() - t0
+        return out
+
+    def propose(self, k):
+        return self.timed(self.draft.propose, k)
+
+    def propose_tree(self, size, depth):
+        return self.timed(self.draft.propose_tree, size, depth)
 
 
 def exact_verifier(temperature: float) -> Verifier:
@@ -140,13 +175,19 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
                        hidden_layers=draft.target_layers, last_logits_only=True) if L > 1 else (None, [])
     draft.start(prompt_ids, torch.cat(hidden, -1)[0] if hidden else None)  # (L-1, n_layers * dim)
     t_prefill = clock() - t_start if clock else None
-    seq, new, stats = list(prompt_ids), [], Stats(k, draft_seconds=0.0 if clock else None)
+    seq, new, stats = list(prompt_ids), [], Stats(k)
+    drafting = TimedDraft(draft, clock) if clock else draft
     while len(new) < max_new_tokens:
         # guesses past the token budget are wasted; a DFlash block holds at most block_size - 1
         budget = min(k, max_new_tokens - len(new) - 1, draft.max_tokens)
-        out, n, hidden = speculative_step(step_fn, seq, draft, budget, verifier, stats, device,
-                                          temperature=temperature, top_p=top_p, generator=generator,
-                                          on_verify=on_verify, tree=tree, target=target, clock=clock)
+        if tree and budget > 0:
+            step = tree_step(target, seq, drafting, tree, budget, verifier, temperature, top_p, generator)
+        else:
+            step = speculative_step(step_fn, seq, drafting, budget, verifier, temperature, top_p, generator)
+        stats.count(tree if step.depth is not None else budget, step.drafted, step.kept, step.depth)
+        if on_verify is not None:
+            on_verify(step.p, step.q, step.guesses, step.kept)
+        out, n = step.tokens, step.kept
         # a stop token, even inside a kept block, ends generation there
         stop = next((j for j, t in enumerate(out) if t in stop_ids), None)
         out = out[:min(len(out) if stop is None else stop + 1, max_new_tokens - len(new))]
@@ -157,7 +198,8 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
         if stop is not None or len(new) >= max_new_tokens:
             break
         # the target's states at the committed positions: the token fed and the n kept
-        draft.commit(out, n, torch.cat(hidden, -1)[0, :n + 1] if hidden else None)
+        draft.commit(out, n, torch.cat(step.hidden, -1)[0, :n + 1] if step.hidden else None)
+    stats.draft_seconds = drafting.seconds if clock else None
     seconds = clock() - t_start if clock else None
     return stats.result(new, seconds, t_prefill, draft.forwards - draft_forwards_before)
 
