@@ -183,9 +183,6 @@ class KVCache(nn.Module):
         return keys, values
 
 
-ROW_BY_ROW_MAX = 32  # longer inputs (prompt prefills) attend in one call: both decoding modes share them
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, in_dim: int | None = None):
         super().__init__()
@@ -197,18 +194,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.kv_cache: KVCache | None = None
-        self.row_by_row = False  # see Transformer.attend_rows_apart
 
     def project(self, x, cos, sin):
         """(B, T, in_dim) -> q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), RoPE applied."""
         B, T, _ = x.shape
         H, KV = self.n_head, self.n_kv_head
-        # RoPE and attention run in the RoPE table's dtype (the KV cache's: see KVCache), converted once here
-        qkv = self.qkv_proj(x).to(cos.dtype).view(B, T, H + 2 * KV, self.head_dim).transpose(1, 2)  # (B, H+2KV, T, head_dim)
-        q_and_k, v = qkv.split([H + KV, KV], dim=1)
+        # RoPE and attention run in the RoPE table's dtype (the KV cache's: see KVCache)
+        qkv = self.qkv_proj(x).to(cos.dtype).view(B, T, H + 2 * KV, self.head_dim).transpose(1, 2)
+        q_and_k, v = qkv.split([H + KV, KV], dim=1)  # (B, H + KV, T, head_dim), (B, KV, T, head_dim)
         if self.q_norm is not None:
             q_and_k = torch.cat([self.q_norm(q_and_k[:, :H]), self.k_norm(q_and_k[:, H:])], 1)
-        # q and k rotate together: one RoPE instead of two, fewer ops per step
+        # q and k rotate together: one RoPE instead of two
         q, k = apply_rope(q_and_k, cos, sin).split([H, KV], dim=1)
         return q, k, v
 
@@ -221,34 +217,12 @@ class Attention(nn.Module):
         -> (B, T, dim) in `dtype` (default q's)."""
         return self.o_proj(self.mix(q, k, v, mask).transpose(1, 2).flatten(2).to(dtype or q.dtype))
 
-    def forward(self, x, cos, sin, mask, input_pos, kv_len, row_keys=None, tree_moves=None):
+    def forward(self, x, cos, sin, mask, input_pos):
+        """x (B, T, in_dim) at cache slots input_pos (T,) -> (B, T, dim). mask (T, kv_len) or
+        (B, 1, T, kv_len) bool: which of the first kv_len cache slots each row sees."""
         q, k, v = self.project(x, cos, sin)
-        # (q, k and v come in the cache's dtype, on a CPU fp32 whatever the weights: see KVCache)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, kv_heads, max_seq_len, head_dim)
-        T = q.shape[2]
-        if self.row_by_row and 1 < T <= ROW_BY_ROW_MAX and mask is not None and mask.dim() == 2:
-            # a verification block: each query attends exactly as a one-token step would (the same
-            # kernel on the same keys), so the block's outputs are bit for bit the one-token ones:
-            # eagerly the cache up to itself (row_keys), compiled the whole cache through its mask
-            # row. A tree's row sees the cache before the block, then its ancestors and itself:
-            # tree_moves first puts that path where a chain would have it (tree_attention)
-            if row_keys is None:
-                rows = [self.mix(q[:, :, t:t + 1], k, v, mask[t:t + 1]) for t in range(T)]
-            elif tree_moves is None:
-                rows = [self.mix(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], None) for t, n in enumerate(row_keys)]
-            else:
-                first = int(input_pos[0])
-                block_k, block_v = k[:, :, first:first + T].clone(), v[:, :, first:first + T].clone()  # (B, kv_heads, T, head_dim)
-                rows = []
-                for t, n in enumerate(row_keys + [None]):  # (a last move puts the block back, for keep_path)
-                    if tree_moves[t] is not None:
-                        start, block_rows = tree_moves[t]
-                        k[:, :, first + start:first + start + len(block_rows)] = block_k.index_select(2, block_rows)
-                        v[:, :, first + start:first + start + len(block_rows)] = block_v.index_select(2, block_rows)
-                    if n is not None:
-                        rows.append(self.mix(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], None))
-            return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2).to(x.dtype))  # rows: (B, heads, 1, head_dim)
-        # only the first kv_len cache slots can be visible; attending to the rest is wasted bandwidth
+        kv_len = mask.shape[-1]  # (no row sees a later slot: reading them would waste bandwidth)
         return self.attend(q, k[:, :, :kv_len], v[:, :, :kv_len], mask, x.dtype)
 
 
@@ -271,14 +245,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, mask, input_pos, kv_len, row_keys=None, tree_moves=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, kv_len, row_keys, tree_moves)
+    def forward(self, x, cos, sin, mask, input_pos):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
     """The decoder. source: the directory its weights came from (drafts record which target they
-    serve). How a forward runs beyond its arguments is set once, by set_step_modes."""
+    serve)."""
 
     def __init__(self, args: ModelArgs, source=None):
         super().__init__()
@@ -293,7 +267,6 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         self.max_seq_len = 0
-        self.set_step_modes()
 
     def without_layers(self) -> "Transformer":
         """A model with no decoder layers that shares this one's embedding, final norm and head (no
@@ -309,24 +282,6 @@ class Transformer(nn.Module):
         load_state_dict(assign=True) replaced either)."""
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-
-    def set_step_modes(self, attend_full_cache: bool = False):
-        """attend_full_cache: every forward attends all max_seq_len slots under a mask, one static
-        shape whatever the context, which a compiled forward (engine/compiled.py) needs to run one
-        graph a whole run."""
-        self.attend_full_cache = attend_full_cache
-
-    def attend_rows_apart(self):
-        """Make every verification block attend one query at a time, as a one-token step does.
-        Needed where activations are rounded coarsely (bf16, int8, int4 weights): there the float
-        noise of another attention kernel would turn into other tokens, and greedy speculation
-        would part from plain decoding. The cost: each row reads the whole context."""
-        for layer in self.layers:
-            layer.self_attn.row_by_row = True
-
-    @property
-    def rows_attend_apart(self) -> bool:
-        return any(layer.self_attn.row_by_row for layer in self.layers)
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int):
         """Allocate the KV caches and the RoPE table for sequences of up to max_seq_len tokens."""
@@ -356,31 +311,26 @@ class Transformer(nn.Module):
 
     def decoder(self, tokens, input_pos, hidden_layers=(), key_valid=None, tree_parents=None):
         """forward without the output head: (B, T) tokens -> (B, T, dim) final-normed states, and the
-        hidden states named by hidden_layers. What engine/compiled.py compiles."""
+        hidden states named by hidden_layers."""
         assert self.max_seq_len, "call setup_caches() first"
-        kv_len = self.max_seq_len if self.attend_full_cache else int(input_pos[-1]) + 1
-        # how many slots each row of a short block sees, read once (compiled: the whole cache, masked)
-        row_keys = [p + 1 for p in input_pos.tolist()] if 1 < len(input_pos) <= ROW_BY_ROW_MAX and \
-            not self.attend_full_cache else None
-        tree_moves = None
+        kv_len = int(input_pos[-1]) + 1  # the cache slots any row can see
         if tree_parents is None:
-            rope_pos = input_pos
-            mask = attention_mask(input_pos, kv_len, key_valid, self.attend_full_cache)
+            rope_pos, mask = input_pos, attention_mask(input_pos, kv_len, key_valid)
         else:
-            rope_pos, mask, row_keys, tree_moves = tree_attention(tree_parents, input_pos, kv_len)
-        return self.trunk(tokens, rope_pos, input_pos, kv_len, mask, row_keys, tree_moves, hidden_layers)
+            rope_pos, mask = tree_attention(tree_parents, input_pos, kv_len)
+        return self.trunk(tokens, rope_pos, input_pos, mask, hidden_layers)
 
-    def trunk(self, tokens, rope_pos, input_pos, kv_len: int, mask=None, row_keys=None, tree_moves=None,
-              hidden_layers=()):
-        """The embedding, the decoder layers and the final norm, (B, T) tokens -> (B, T, dim), and
-        the hidden states named by hidden_layers; forward's arguments, worked out (attend's)."""
+    def trunk(self, tokens, rope_pos, input_pos, mask, hidden_layers=()):
+        """The embedding, the decoder layers and the final norm, (B, T) tokens at cache slots
+        input_pos and RoPE positions rope_pos -> (B, T, dim), and the hidden states named by
+        hidden_layers. Compiled graphs call it with masks of their own (engine/compiled.py)."""
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]  # (T, head_dim)
         x = self.embed_tokens(tokens)  # (B, T, dim)
         hidden = {}
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = x
-            x = layer(x, cos, sin, mask, input_pos, kv_len, row_keys, tree_moves)
+            x = layer(x, cos, sin, mask, input_pos)
         hidden[self.args.n_layer] = x
         return self.norm(x), [hidden[i] for i in hidden_layers]
 
@@ -402,13 +352,9 @@ class Transformer(nn.Module):
 def tree_attention(parents: list, slots: torch.Tensor, kv_len: int):
     """A verification block shaped as a tree: row 0 the root (the last committed token), row i + 1
     draft node i with parent row parents[i] + 1 (parents[i] = -1: the root), rows in topological
-    order and written to consecutive cache slots from slots[0]. Returns
-      the RoPE positions (T,): slots[0] + depth, where a node sits in its own chain;
-      the mask (T, kv_len): the cache before the block, then the row's ancestors and itself;
-      each row's key count and moves, for blocks that attend row by row: a one-token step along a
-      row's path would see the cache, then that path in consecutive slots. So before row t
-      attends, moves[t] = (start, block rows) or None puts the rows of its path that are not yet
-      in place at slots[0] + start onwards; moves[T] puts the block back as it was written."""
+    order and written to consecutive cache slots from slots[0]. Returns the RoPE positions (T,),
+    slots[0] + depth, where a node sits in its own chain; and the mask (T, kv_len): the cache
+    before the block, then the row's ancestors and itself."""
     T, first = len(parents) + 1, int(slots[0])
     depth, ancestors = [0], [[0]]
     for parent in parents:
@@ -418,21 +364,13 @@ def tree_attention(parents: list, slots: torch.Tensor, kv_len: int):
     mask[:, :first] = True
     for row, rows_seen in enumerate(ancestors):
         mask[row, [first + r for r in rows_seen]] = True
-    rope_pos = first + torch.tensor(depth, device=slots.device)
-    placed, moves = list(range(T)), []  # placed: the block row each slot from `first` holds
-    for path in ancestors + [list(range(T))]:
-        start = next((j for j, row in enumerate(path) if placed[j] != row), len(path))
-        moves.append((start, torch.tensor(path[start:], device=slots.device)) if start < len(path) else None)
-        placed[start:len(path)] = path[start:]
-    return rope_pos, mask, [first + len(path) for path in ancestors], moves
+    return first + torch.tensor(depth, device=slots.device), mask
 
 
-def attention_mask(input_pos, kv_len: int, key_valid=None, full_cache: bool = False):
-    """Which cache slots each query sees: (T, kv_len) bool, (B, 1, T, kv_len) with key_valid, or
-    None. Causal over absolute positions, which is also what hides the stale entries past a
-    speculative rewind."""
-    if len(input_pos) == 1 and not full_cache and key_valid is None:
-        return None  # one new token at the end of the visible cache sees all of it
+def attention_mask(input_pos, kv_len: int, key_valid=None):
+    """Which of the first kv_len cache slots each query sees: (T, kv_len) bool, or (B, 1, T, kv_len)
+    with key_valid. Causal over absolute positions, which is also what hides the stale entries
+    past a speculative rewind."""
     slots = torch.arange(kv_len, device=input_pos.device)
     causal = slots <= input_pos[:, None]  # (T, kv_len)
     if key_valid is not None:

@@ -121,14 +121,13 @@ def score(step_fn, seq: list, guesses: torch.Tensor, hidden_layers, tree_parents
 
 
 class TimedDraft:
-    """A draft as it is, whose proposals a clock times (seconds: their sum): how a run with a
-    clock learns what its drafting cost, from outside the algorithm."""
+    """What a step reads of a draft (its proposals and target_layers), the proposals timed by a
+    clock (seconds: their sum): how a run with a clock learns what drafting cost, from outside
+    the algorithm."""
 
     def __init__(self, draft, clock):
         self.draft, self.clock, self.seconds = draft, clock, 0.0
-
-    def __getattr__(self, name):
-        return getattr(self.draft, name)
+        self.target_layers = draft.target_layers
 
     def timed(self, propose, *args):
         t0 = self.clock()
@@ -167,13 +166,9 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
     draft, k = (NoDraft(), 0) if draft is None else (draft, k)
     check_request(target.max_seq_len, len(prompt_ids), max_new_tokens, max(k, tree if k else 0), verifier,
                   temperature)
-    device, L = target.embed_tokens.weight.device, len(prompt_ids)
     t_start = clock() if clock else None
     draft_forwards_before = draft.forwards
-    # prefill everything but the last prompt token: each step starts by feeding that one
-    _, hidden = target(torch.tensor([prompt_ids[:-1]], device=device), torch.arange(L - 1, device=device),
-                       hidden_layers=draft.target_layers, last_logits_only=True) if L > 1 else (None, [])
-    draft.start(prompt_ids, torch.cat(hidden, -1)[0] if hidden else None)  # (L-1, n_layers * dim)
+    prefill(target, prompt_ids, draft)
     t_prefill = clock() - t_start if clock else None
     seq, new, stats = list(prompt_ids), [], Stats(k)
     drafting = TimedDraft(draft, clock) if clock else draft
@@ -202,6 +197,15 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
     stats.draft_seconds = drafting.seconds if clock else None
     seconds = clock() - t_start if clock else None
     return stats.result(new, seconds, t_prefill, draft.forwards - draft_forwards_before)
+
+
+def prefill(target, prompt_ids: list, draft):
+    """The target fed every prompt token but the last (each step starts by feeding that one), and
+    the draft started on the prompt and the target's hidden states there."""
+    device, L = target.embed_tokens.weight.device, len(prompt_ids)
+    _, hidden = target(torch.tensor([prompt_ids[:-1]], device=device), torch.arange(L - 1, device=device),
+                       hidden_layers=draft.target_layers, last_logits_only=True) if L > 1 else (None, [])
+    draft.start(prompt_ids, torch.cat(hidden, -1)[0] if hidden else None)  # (L-1, n_layers * dim)
 
 
 def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifier: Verifier,

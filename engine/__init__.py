@@ -8,6 +8,7 @@ scripts hand it what the engine prepared.
     files.py         paths of the repository, atomic writes, JSON and JSONL reading with one-line errors
     linear_forms.py  the CPU forms of a Linear (oneDNN-packed, int8, int4) and the swaps into them
     layouts.py       which form a run's target takes (--dtype auto: timed once per CPU) and its cache
+    rows_apart.py    the attention swapped in where blocks must give one-token steps' bits
     compiled.py      the target's step and verification block compiled (torch.compile), blocks exact
     machine.py       device, threads, memory figures, the options every script shares
 """

@@ -4,7 +4,7 @@ one-token step and one for a verification block of block_len tokens, so that no 
 or adaptive draft length changes a shape and nothing recompiles after the first step and block.
 A block shorter than the graph's is padded with copies of its last token at the positions after
 it: their keys land in cache slots past the block, which no real row reads and the next step
-overwrites. Every row attends apart (model.Transformer.attend_rows_apart), through the kernel a
+overwrites. Every row attends apart (engine/rows_apart.py), through the kernel a
 one-token step uses on the keys that step would see, so a block gives the bits of the steps it
 stands for wherever its matmuls do too (checked, not assumed: engine.layouts.blocks_match_steps).
 On a CPU a graph attends only the visible keys, their count a number of the graph (one graph for
@@ -20,6 +20,7 @@ import torch
 
 import model as M
 from engine.machine import unpack
+from engine.rows_apart import attend_rows_apart
 
 # inductor on a CPU: weights frozen as constants (it packs them itself), the kernels called from
 # C++ rather than Python, and bf16 rounded wherever eager code rounds it. No guards on the modules'
@@ -52,7 +53,7 @@ class CompiledTarget:
     def __init__(self, target, block_len: int, hidden_layers=(), mode: str = "default"):
         cpu = target.embed_tokens.weight.device.type == "cpu"
         torch._dynamo.reset()  # (graphs of another target would guard on shapes only: one target a process)
-        target.attend_rows_apart()
+        attend_rows_apart(target, whole_cache=not cpu)
         self.target, self.block_len, self.cpu = target, block_len, cpu
         self.hidden_layers = tuple(hidden_layers)
         self.compile_seconds = {}  # {graph: seconds its first call took}, as compile_target fills it
@@ -66,9 +67,8 @@ class CompiledTarget:
             self.step_graph, self.block_graph = (torch.compile(f, fullgraph=True, options=CPU_OPTIONS)
                                                  for f in (self.visible_step, self.visible_block))
         else:
-            target.set_step_modes(attend_full_cache=True)
-            self.step_graph = self.block_graph = torch.compile(target.decoder, dynamic=False, fullgraph=True,
-                                                               mode=mode)
+            self.step_graph = self.block_graph = torch.compile(self.whole_cache_decoder, dynamic=False,
+                                                               fullgraph=True, mode=mode)
         self.copy_outputs = not cpu and mode == "reduce-overhead"  # a CUDA graph reuses its outputs
 
     def visible_step(self, tokens, input_pos, visible):
@@ -81,10 +81,14 @@ class CompiledTarget:
         """target.decoder for a chain block or a step on a CPU, attending the kv_len visible keys
         only, each row its own: kv_len is the length of a slice marked dynamic (one graph for
         every context), where an int argument would make every int of the graph dynamic."""
-        T = tokens.shape[1]
-        row_keys = [kv_len - T + 1 + t for t in range(T)] if T > 1 else None
-        mask = M.attention_mask(input_pos, kv_len) if T > 1 else None  # (T, kv_len)
-        return self.target.trunk(tokens, input_pos, input_pos, kv_len, mask, row_keys, None, self.hidden_layers)
+        mask = M.attention_mask(input_pos, kv_len)  # (T, kv_len)
+        return self.target.trunk(tokens, input_pos, input_pos, mask, self.hidden_layers)
+
+    def whole_cache_decoder(self, tokens, input_pos):
+        """target.decoder attending every cache slot through its mask: shapes that never change,
+        which CUDA graphs capture."""
+        mask = M.attention_mask(input_pos, self.max_seq_len)  # (T, max_seq_len)
+        return self.target.trunk(tokens, input_pos, input_pos, mask, self.hidden_layers)
 
     def __call__(self, tokens, input_pos, hidden_layers=(), last_logits_only=False, key_valid=None,
                  tree_parents=None):
@@ -108,7 +112,7 @@ class CompiledTarget:
             torch._dynamo.maybe_mark_dynamic(visible, 0)  # (guards may bound it: a context past them, another graph)
             x, hidden = graph(tokens, input_pos, visible)  # x: (B, 1 or block_len, dim)
         else:
-            x, hidden = graph(tokens, input_pos, self.hidden_layers)
+            x, hidden = graph(tokens, input_pos)
         if self.copy_outputs:
             x, hidden = x.clone(), [h.clone() for h in hidden]
         x = x[:, T - 1:T] if last_logits_only else x[:, :T]

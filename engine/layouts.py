@@ -36,6 +36,7 @@ from engine import linear_forms as LF
 import model as M
 from engine.files import write_atomically
 from engine.machine import machine_is_quiet, machine_problem
+from engine.rows_apart import attend_rows_apart, rows_attend_apart
 from tokenizer import load_tokenizer
 from engine.weights import cache_dir, check_checkpoint, load_model, read_config, resolve_model
 
@@ -69,7 +70,7 @@ def apply_layout(model: M.Transformer, layout: str, device: str) -> M.Transforme
     elif layout.endswith("-packed"):
         LF.pack_for_cpu(model)
     if layout in ("int8", "int4") or layout.startswith("bfloat16") and device == "cpu":
-        model.attend_rows_apart()  # coarse activations: blocks must give the bits of one-token steps
+        attend_rows_apart(model)  # coarse activations: blocks must give the bits of one-token steps
     return model
 
 
@@ -674,10 +675,10 @@ def load_target(name_or_path: str, device: str, layout: str, max_seq_len: int):
     return target, load_tokenizer(path), choice
 
 
-def block_cost_model(table: dict, rows_attend_apart: bool):
+def block_cost_model(table: dict, rows_apart: bool):
     """cost(n, context): a forward verifying n drafted tokens after `context` cached ones, in
     one-token steps at that context. A block's rows each attend over the whole context where they
-    attend one at a time (linear_forms.attend_row_by_row), so at long context a block costs more steps."""
+    attend one at a time (engine/rows_apart.py), so at long context a block costs more steps."""
     blocks_ms, per_key = table["blocks_ms"], float(table["attention_ms_per_key"])
     costs = block_costs(blocks_ms, max(BLOCKS))  # (past the largest timed block: extrapolated)
     one = float(blocks_ms["1"])
@@ -685,7 +686,7 @@ def block_cost_model(table: dict, rows_attend_apart: bool):
     def cost(n: int, context: int) -> float:
         base = costs[n] if n < len(costs) else block_costs(blocks_ms, n + 1)[n]
         attention = per_key * max(context - 64, 0)
-        return (base * one + (n + 1 if rows_attend_apart else 1) * attention) / (one + attention)
+        return (base * one + (n + 1 if rows_apart else 1) * attention) / (one + attention)
     return cost
 
 
@@ -696,7 +697,7 @@ def run_block_costs(target: M.Transformer, choice: dict) -> tuple:
     if target.embed_tokens.weight.device.type != "cpu":
         return None, None
     table = choice or block_table(target.source, layout_of(target))
-    return block_cost_model(table, target.rows_attend_apart), float(table["blocks_ms"]["1"]) / 1e3
+    return block_cost_model(table, rows_attend_apart(target)), float(table["blocks_ms"]["1"]) / 1e3
 
 
 def drafting_is_exact(target: M.Transformer, choice: dict, block: int, step=None) -> bool:

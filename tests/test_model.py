@@ -6,6 +6,7 @@ import torch
 from engine import weights as WT
 from engine import layouts as LY
 from engine import linear_forms as LF
+from engine.rows_apart import rows_attend_apart
 import model as M
 from tokenizer import load_tokenizer
 
@@ -104,7 +105,7 @@ def test_coarse_layouts_give_blocks_the_bits_of_one_token_steps(tiny_dir, layout
     one-token steps give: its matmuls are exact per row, and its blocks attend row by row (after
     200 tokens of context, where attending the block at once parts from one-token steps in int4)."""
     m = LY.build_target(tiny_dir("qwen3_untied"), layout, "cpu", 256)
-    assert m.rows_attend_apart and LY.layout_of(m) == layout
+    assert rows_attend_apart(m) and LY.layout_of(m) == layout
     torch.manual_seed(0)
     tokens = torch.randint(0, 97, (1, 210))
     with torch.no_grad():

@@ -105,3 +105,37 @@ def test_readmes_reading_path_names_what_the_code_holds():
         for (file, name), n in zip(named, claimed):
             actual = definition_lengths(ROOT / file).get(name)
             assert actual == n, f"README says {file}'s {name} is {n} lines; it is {actual}"
+
+
+def function_node(path: Path, qualified: str):
+    cls, _, name = qualified.rpartition(".")
+    body = ast.parse(path.read_text()).body
+    if cls:
+        body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_the_speculative_step_is_the_algorithm_alone():
+    """speculative_step takes what the algorithm needs (<= 8 parameters) and neither times nor
+    counts: a clock, Stats or a hook would be the measurement's, which observes from outside."""
+    step = function_node(ROOT / "speculative.py", "speculative_step")
+    params = [a.arg for a in step.args.args]
+    assert len(params) <= 8, params
+    names = {n.id for n in ast.walk(step) if isinstance(n, ast.Name)} | set(params)
+    assert not names & {"clock", "stats", "Stats", "on_verify", "time"}, names
+
+
+def test_one_attention_path_in_model_py():
+    """Attention.forward takes at most 5 arguments and has one path (no branch, no loop); the
+    engine's bit-exact forms live in engine/, swapped in from outside."""
+    forward = function_node(ROOT / "model.py", "Attention.forward")
+    assert len(forward.args.args) - 1 <= 5
+    assert not [n for n in ast.walk(forward) if isinstance(n, (ast.If, ast.IfExp, ast.For, ast.ListComp))]
+    assert len(function_node(ROOT / "model.py", "Block.forward").args.args) - 1 <= 5
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_no_core_function_is_over_50_lines(name):
+    long = {n: length for n, length in definition_lengths(ROOT / name).items()
+            if length > 50 and not (n[0].isupper() and "." not in n)}  # (classes may be longer)
+    assert not long, long

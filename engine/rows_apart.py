@@ -1,0 +1,95 @@
+"""
+Verification blocks that give the bits of one-token steps: model.Attention swapped, layer by
+layer, for a form whose short blocks attend one row at a time, the way the engine swaps Linears
+for its CPU forms. Each row attends as a one-token step at its position would: the same kernel on
+the same keys, the cache up to its own slot. Where activations round coarsely (bf16, int8, int4
+weights) the float noise of another attention kernel would turn into other tokens, and greedy
+speculation would part from plain decoding. The cost: each row reads the whole context.
+
+A tree's row sees the cache before the block, then its ancestors and itself (model.tree_attention),
+which a one-token step down that row's path would see in consecutive slots. So before a row
+attends, the keys and values of its path are copied where that step would have them, and the
+block is put back as it was written afterwards (for Transformer.keep_path).
+"""
+import torch
+
+import model as M
+
+ROWS_APART_MAX = 32  # longer inputs (prompt prefills) attend in one call: both decoding modes share them
+
+
+class RowsApartAttention(M.Attention):
+    """model.Attention whose blocks of 2 to ROWS_APART_MAX rows attend a row at a time.
+    whole_cache: the forward attends every cache slot under its mask (compiled CUDA graphs), so a
+    row sees every slot, as the one-token step does; otherwise a row sees the slots up to its own."""
+    whole_cache = False
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        T = x.shape[1]
+        if not 1 < T <= ROWS_APART_MAX or mask.dim() != 2:
+            return super().forward(x, cos, sin, mask, input_pos)
+        q, k, v = self.project(x, cos, sin)
+        k, v = self.kv_cache.update(input_pos, k, v)  # (B, kv_heads, max_seq_len, head_dim)
+        kv_len = mask.shape[-1]
+        if self.whole_cache:
+            rows = [self.mix(q[:, :, t:t + 1], k[:, :, :kv_len], v[:, :, :kv_len], mask[t:t + 1]) for t in range(T)]
+        elif self.is_chain(mask):
+            every = mask.new_ones(1, kv_len)  # (1, kv_len): row t sees the slots up to its own, as its step
+            seen = [kv_len - T + 1 + t for t in range(T)]  # (a range of a graph's key count would fix it)
+            rows = [self.mix(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], every[:, :n]) for t, n in enumerate(seen)]
+        else:
+            rows = self.tree_rows(q, k, v, mask)
+        return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2).to(x.dtype))  # rows: (B, heads, 1, head_dim)
+
+    @staticmethod
+    def is_chain(mask) -> bool:
+        """Whether a block's rows see the block causally (a chain), rather than a tree's paths:
+        known from its shape in a compiled graph, which attends chains only (Compiled rows)."""
+        if torch.compiler.is_compiling():
+            return True
+        T = mask.shape[0]
+        block = mask[:, mask.shape[1] - T:]  # (T, T): which block rows each row sees
+        return bool(torch.equal(block, torch.ones_like(block).tril()))
+
+    def tree_rows(self, q, k, v, mask):
+        """Each row of a tree over the cache and its own path, moved into a chain's slots first."""
+        T, kv_len = mask.shape
+        first = kv_len - T
+        block_k, block_v = k[:, :, first:kv_len].clone(), v[:, :, first:kv_len].clone()  # (B, kv_heads, T, head_dim)
+        every = mask.new_ones(1, kv_len)
+        rows = []
+        for t, (start, path) in enumerate(tree_moves(mask[:, first:].tolist())):
+            if start is not None:
+                k[:, :, first + start:first + len(path)] = block_k[:, :, path[start:]]
+                v[:, :, first + start:first + len(path)] = block_v[:, :, path[start:]]
+            if t < T:
+                n = first + len(path)
+                rows.append(self.mix(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], every[:, :n]))
+        return rows
+
+
+def tree_moves(block_seen: list) -> list:
+    """block_seen (T lists of T bools): which block rows each row sees, its path. Returns, for each
+    row and then once more to put the block back, (start, path): the path's rows from `start` on
+    must be copied to the slots from the block's first + start before the row attends (start None:
+    already in place)."""
+    T = len(block_seen)
+    paths = [[j for j, seen in enumerate(row) if seen] for row in block_seen] + [list(range(T))]
+    placed, moves = list(range(T)), []  # placed: the block row each slot from the block's first holds
+    for path in paths:
+        start = next((j for j, row in enumerate(path) if placed[j] != row), None)
+        moves.append((start, path))
+        if start is not None:
+            placed[start:len(path)] = path[start:]
+    return moves
+
+
+def attend_rows_apart(model, whole_cache: bool = False):
+    """Swap every layer's attention for RowsApartAttention (in place; its weights and cache stay)."""
+    for layer in model.layers:
+        layer.self_attn.__class__ = RowsApartAttention
+        layer.self_attn.whole_cache = whole_cache
+
+
+def rows_attend_apart(model) -> bool:
+    return any(isinstance(layer.self_attn, RowsApartAttention) for layer in model.layers)
