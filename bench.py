@@ -176,8 +176,9 @@ def plots(summary, out_dir: Path, stem: str) -> list:
 
 
 def get_args(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     ap = ArgumentParser(description="Speculative decoding benchmark: speed, side by side.",
-                        formatter_class=DefaultsHelpFormatter)
+                        formatter_class=DefaultsHelpFormatter, argv=argv)
     for add in (add_run_args, add_prompt_args, add_peer_args, add_weights_args, add_table_args, add_machine_args):
         add(ap)
     args = ap.parse_args(argv)
@@ -187,14 +188,15 @@ def get_args(argv=None):
 
 def add_run_args(ap):
     """What is benchmarked: every draft under every verifier and temperature."""
-    g = ap.add_argument_group("target, drafts, verifiers and pairs")
+    g = ap.add_argument_group("what is measured")
     g.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
     committed = DEFAULT_DRAFTS.get(DEFAULT_TARGET)
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     g.add_argument("--drafts", default=default_drafts,
                    help="comma-separated drafts as decode.py's --draft takes them, with suffixes in any order: "
-                        "@ee or @ee0.2 (early exit), @conf (it reads the confidence), @tree16, @adapt")
+                        "@ee or @ee0.2 (early exit), @conf (it reads the confidence), @tree16, @adapt; default: "
+                        "lookup and the committed draft of the default target, with and without @ee")
     g.add_argument("--verifiers", default="greedy,lossless",
                    help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
                         "lossless (the same rule there) is left out if greedy is in")
@@ -204,42 +206,44 @@ def add_run_args(ap):
                         "intervals over the prompts (e.g. a VAT draft against its baseline-objective twin); "
                         "repeat it for more pairs")
     g.add_argument("-k", "--num-draft-tokens", type=int, default=7, help="tokens drafted per target forward")
+    g.add_argument("--prompt-file", default="data/spec_bench_questions.jsonl",
+                   help="Spec-Bench-style jsonl (or any supported jsonl)")
+    g.add_argument("--limit", type=int, default=3, help="prompts per category")
+    g.add_argument("--max-new-tokens", type=int, default=128,
+                   help="new tokens per speed-run prompt, at most")
+    g.add_argument("--peers", nargs="?", const="all", default=None, choices=("all", "llama.cpp"),
+                   help="also run peers on the same weights: all (transformers' generate and assisted lookup, "
+                        "and llama.cpp on the default target's GGUF) or llama.cpp alone")
+    g.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
+    g.add_argument("--out", default=None, help="JSON results path; results/bench-<time>.json when omitted")
 
 
 def add_prompt_args(ap):
     """Which prompts the speed runs decode, and how much of each."""
-    g = ap.add_argument_group("prompts")
-    g.add_argument("--prompt-file", default="data/spec_bench_questions.jsonl",
-                   help="Spec-Bench-style jsonl (or any supported jsonl)")
+    g = ap.more_options("prompts")
     g.add_argument("--categories", default=None,
                    help="comma-separated Spec-Bench categories; all when omitted")
-    g.add_argument("--limit", type=int, default=3, help="prompts per category")
     g.add_argument("--from-end", action="store_true",
                    help="take each category's last --limit prompts, not its first (report.py's GSM8K test "
                         "questions are the file's last)")
-    g.add_argument("--max-new-tokens", type=int, default=128,
-                   help="new tokens per speed-run prompt, at most")
     g.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
 
 
 def add_peer_args(ap):
     """transformers' generation beside ours, or no speed runs at all."""
-    g = ap.add_argument_group("peers and speed runs")
-    g.add_argument("--peers", nargs="?", const="all", default=None, choices=("all", "llama.cpp"),
-                   help="also run peers on the same weights: all (transformers' generate and assisted lookup, "
-                        "and llama.cpp on the default target's GGUF) or llama.cpp alone")
+    g = ap.more_options("peers and speed runs")
     g.add_argument("--speed-off", action="store_true", help="skip the speed runs")
 
 
 def add_weights_args(ap):
     """The target's layout and compilation, as decode.py's."""
-    g = ap.add_argument_group("target weights")
+    g = ap.more_options("target weights")
     add_machine_options(g, "dtype", "compile")  # (a named --dtype is the only layout --decode-table times)
 
 
 def add_table_args(ap):
     """Measurements beside the speed runs."""
-    g = ap.add_argument_group("decode table, weights quality and step profile")
+    g = ap.more_options("decode table, weights quality and step profile")
     g.add_argument("--decode-table", default="auto",
                    help=f"comma-separated shapes from {','.join(SHAPES)} timed with random weights against "
                         "the memory-bandwidth floor; auto = qwen3-4b,llama-3.1-8b on CUDA, none on CPU; "
@@ -258,11 +262,9 @@ def add_table_args(ap):
 
 def add_machine_args(ap):
     """The smoke test, seeds, device, threads and where the results go."""
-    g = ap.add_argument_group("machine and output")
-    g.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, T=0 and 1")
+    g = ap.more_options("machine and output")
     g.add_argument("--seed", type=int, default=0, help="seeds the sampling generator")
     add_machine_options(g, "device", "threads")  # (the results record the thread count used)
-    g.add_argument("--out", default=None, help="JSON results path; results/bench-<time>.json when omitted")
     g.add_argument("--plots-from", type=Path, default=None, metavar="FILE",
                    help="draw a results file's figures again beside it, then stop (docs/ keeps only the ones "
                         "its pages show)")

