@@ -198,13 +198,9 @@ def add_run_args(ap):
                         "@ee or @ee0.2 (early exit), @conf (it reads the confidence), @tree16, @adapt; default: "
                         "lookup and the committed draft of the default target, with and without @ee")
     g.add_argument("--verifiers", default="greedy,lossless",
-                   help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs only at T=0, where "
-                        "lossless (the same rule there) is left out if greedy is in")
+                   help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs at T=0 only, and "
+                        "lossless not there when greedy does (the same rule at T=0)")
     g.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
-    g.add_argument("--paired", action="append", default=[], metavar="A,B",
-                   help="two of --drafts: their tau and speed ratio, A over B, with 95%% paired bootstrap "
-                        "intervals over the prompts (e.g. a VAT draft against its baseline-objective twin); "
-                        "repeat it for more pairs")
     g.add_argument("-k", "--num-draft-tokens", type=int, default=7, help="tokens drafted per target forward")
     g.add_argument("--prompt-file", default="data/spec_bench_questions.jsonl",
                    help="Spec-Bench-style jsonl (or any supported jsonl)")
@@ -231,7 +227,11 @@ def add_prompt_args(ap):
 
 def add_peer_args(ap):
     """transformers' generation beside ours, or no speed runs at all."""
-    g = ap.more_options("peers and speed runs")
+    g = ap.more_options("pairs, peers and speed runs")
+    g.add_argument("--paired", action="append", default=[], metavar="A,B",
+                   help="two of --drafts: their tau and speed ratio, A over B, with 95%% paired bootstrap "
+                        "intervals over the prompts (e.g. a VAT draft against its baseline-objective twin); "
+                        "repeat it for more pairs")
     g.add_argument("--speed-off", action="store_true", help="skip the speed runs")
 
 

@@ -1,9 +1,10 @@
 """
 The target model: one hand-written decoder-only Transformer for LLaMA-3.x, Qwen2 and Qwen3
 checkpoints, and a static KV cache that speculative decoding rewinds by moving a position. It
-runs as it is (fp32 or bf16, on a CPU or CUDA); the CPU engine (engine/) swaps its Linears for faster CPU forms
-(engine/linear_forms.py), chooses among them (engine/layouts.py) and loads weights from names,
-directories and the embedded GGUF (engine/weights.py). Tokenizers are tokenizer.py's.
+runs as it is (fp32 or bf16, on a CPU or CUDA); the CPU engine (engine/) swaps its Linears for
+faster CPU forms (engine/linear_forms.py), chooses among them (engine/layouts.py) and loads
+weights from names, directories and the embedded GGUF (engine/weights.py). Tokenizers are
+tokenizer.py's.
 
 Hidden-state index convention (used by the drafts in eagle3.py and dflash.py), one place for all:
     hidden[i] is the residual stream *entering* decoder layer i, for 0 <= i < n_layer,
@@ -58,12 +59,14 @@ class ModelArgs:
         # transformers >= 5 nests rope settings in `rope_parameters`; older configs keep them flat
         rope = dict(config_mapping(cfg, "rope_parameters"))
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", "default") != "default" else config_mapping(cfg, "rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
+        scaling = rope if rope.get("rope_type", "default") != "default" else \
+            config_mapping(cfg, "rope_scaling")
+        rope_type = scaling.get("rope_type", scaling.get("type")) if scaling else None
+        if scaling and rope_type not in ("llama3", "default"):
             raise CheckpointError(f"unsupported rope scaling {scaling!r}")
         n_head = config_int(cfg, "num_attention_heads")
         dim = config_int(cfg, "hidden_size")
-        is_llama3_scaling = bool(scaling) and scaling.get("rope_type", scaling.get("type")) == "llama3"
+        is_llama3_scaling = rope_type == "llama3"
         return cls(
             model_type=model_type,
             vocab_size=config_int(cfg, "vocab_size"),
@@ -73,7 +76,8 @@ class ModelArgs:
             n_kv_head=config_int(cfg, "num_key_value_heads", n_head),
             head_dim=config_int(cfg, "head_dim", dim // n_head),
             intermediate_size=config_int(cfg, "intermediate_size"),
-            norm_eps=config_number(cfg, "rms_norm_eps", 1e-6, below=1.0),  # (an eps past 1 drowns the norm)
+            # (an eps past 1 drowns the norm)
+            norm_eps=config_number(cfg, "rms_norm_eps", 1e-6, below=1.0),
             rope_theta=config_number({"rope_theta": theta}, "rope_theta"),
             rope_scaling=scaling if is_llama3_scaling else None,
             max_position_embeddings=config_int(cfg, "max_position_embeddings", 8192),
@@ -91,7 +95,8 @@ def config_int(cfg: dict, key: str, default=None) -> int:
     if value is None:
         raise CheckpointError(f"config.json lacks {key!r}")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointError(f"config.json field {key!r} must be a positive integer, not {value!r}")
+        raise CheckpointError(f"config.json field {key!r} must be a positive integer, "
+                              f"not {value!r}")
     return value
 
 
@@ -101,12 +106,14 @@ def config_number(cfg: dict, key: str, default=None, below: float = math.inf) ->
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < below or \
             not math.isfinite(value):
         bound = "" if below == math.inf else f" below {below:g}"
-        raise CheckpointError(f"config.json field {key!r} must be a finite positive number{bound}, not {value!r}")
+        raise CheckpointError(f"config.json field {key!r} must be a finite positive number{bound}, "
+                              f"not {value!r}")
     return float(value)
 
 
 def config_mapping(cfg: dict, key: str) -> dict:
-    """An optional object field of config.json ({} when absent or null); another type is an error."""
+    """An optional object field of config.json ({} when absent or null); another type is an
+    error."""
     value = cfg.get(key)
     if value is None:
         return {}
@@ -126,9 +133,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # normalize in fp32 and cast back before the weight, as HF, EAGLE and DFlash do, so bf16
-        # runs round where theirs round. Written out, it is the same arithmetic as torch's rms_norm
-        # (bit for bit) in fewer calls, and an fp32 input skips the two casts: a decoding step is
-        # small enough on a CPU that the cost of each call counts
+        # runs round where theirs round (torch's rms_norm's arithmetic, bit for bit)
         x32 = x if x.dtype == torch.float32 else x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (normed if x.dtype == torch.float32 else normed.to(x.dtype))
@@ -165,8 +170,8 @@ class KVCache(nn.Module):
     """Keys and values stored at their absolute positions. Rewinding a speculative block is free:
     the next forward starts at an earlier position, the causal mask hides the stale entries past
     it, and they are overwritten as decoding moves on. On a CPU they are kept in fp32 whatever the
-    weights (bf16 keys convert to fp32 exactly): torch's CPU attention for one query is several
-    times slower in bf16 than in fp32, and at a long context attention is most of a step."""
+    weights (bf16 keys convert to fp32 exactly), the dtype torch's CPU attention runs best in
+    (engine/layouts.py)."""
 
     def __init__(self, batch, n_kv_head, max_seq_len, head_dim, dtype, device):
         super().__init__()
@@ -187,21 +192,22 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, in_dim: int | None = None):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
-        # q, k and v in one matmul: fewer, larger ops is what makes CPU decode fast
-        self.qkv_proj = nn.Linear(in_dim or args.dim, (args.n_head + 2 * args.n_kv_head) * args.head_dim,
-                                  bias=args.qkv_bias)
+        # q, k and v in one matmul (checkpoints' q_proj, k_proj and v_proj are fused on loading)
+        qkv_dim = (args.n_head + 2 * args.n_kv_head) * args.head_dim
+        self.qkv_proj = nn.Linear(in_dim or args.dim, qkv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.kv_cache: KVCache | None = None
 
     def project(self, x, cos, sin):
-        """(B, T, in_dim) -> q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), RoPE applied."""
+        """(B, T, in_dim) -> q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), with
+        RoPE."""
         B, T, _ = x.shape
         H, KV = self.n_head, self.n_kv_head
         # RoPE and attention run in the RoPE table's dtype (the KV cache's: see KVCache)
         qkv = self.qkv_proj(x).to(cos.dtype).view(B, T, H + 2 * KV, self.head_dim).transpose(1, 2)
-        q_and_k, v = qkv.split([H + KV, KV], dim=1)  # (B, H + KV, T, head_dim), (B, KV, T, head_dim)
+        q_and_k, v = qkv.split([H + KV, KV], dim=1)  # (B, H + KV, T, head_dim), (B, KV, ...)
         if self.q_norm is not None:
             q_and_k = torch.cat([self.q_norm(q_and_k[:, :H]), self.k_norm(q_and_k[:, H:])], 1)
         # q and k rotate together: one RoPE instead of two
@@ -209,12 +215,13 @@ class Attention(nn.Module):
         return q, k, v
 
     def mix(self, q, k, v, mask):
-        """(B, heads, T, head_dim) queries over the keys and values given -> (B, heads, T, head_dim)."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
+        """(B, heads, T, head_dim) queries over the keys and values given -> the same shape."""
+        gqa = self.n_kv_head != self.n_head
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
     def attend(self, q, k, v, mask, dtype=None):
-        """Attention of q over the keys k, v given and the output projection, (B, heads, T, head_dim)
-        -> (B, T, dim) in `dtype` (default q's)."""
+        """Attention of q over the keys k, v given and the output projection,
+        (B, heads, T, head_dim) -> (B, T, dim) in `dtype` (default q's)."""
         return self.o_proj(self.mix(q, k, v, mask).transpose(1, 2).flatten(2).to(dtype or q.dtype))
 
     def forward(self, x, cos, sin, mask, input_pos):
@@ -257,11 +264,11 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, source=None):
         super().__init__()
         self.args, self.source = args, source
-        # drawn uniform, not nn.Embedding's normal: checkpoints build a model on the meta device before
-        # its weights arrive, and normal_ there sets up lazily (over a second of every process's start);
+        # drawn uniform, not nn.Embedding's normal: checkpoints build a model on the meta device
+        # before its weights arrive, and normal_ there sets up lazily (a second of every start);
         # the values are always replaced by loaded weights or only timed
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim,
-                                         _weight=torch.empty(args.vocab_size, args.dim).uniform_(-1, 1))
+        drawn = torch.empty(args.vocab_size, args.dim).uniform_(-1, 1)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, _weight=drawn)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -287,7 +294,8 @@ class Transformer(nn.Module):
         """Allocate the KV caches and the RoPE table for sequences of up to max_seq_len tokens."""
         weight = self.embed_tokens.weight  # (never packed or quantized: its dtype is the model's)
         self.max_seq_len = max_seq_len
-        cache_dtype = torch.float32 if weight.device.type == "cpu" else weight.dtype  # (KVCache says why)
+        # (fp32 on a CPU: see KVCache)
+        cache_dtype = torch.float32 if weight.device.type == "cpu" else weight.dtype
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_len,
                                                self.args.head_dim, cache_dtype, weight.device)
@@ -310,8 +318,8 @@ class Transformer(nn.Module):
         return self.lm_head(x), hidden
 
     def decoder(self, tokens, input_pos, hidden_layers=(), key_valid=None, tree_parents=None):
-        """forward without the output head: (B, T) tokens -> (B, T, dim) final-normed states, and the
-        hidden states named by hidden_layers."""
+        """forward without the output head: (B, T) tokens -> (B, T, dim) final-normed states, and
+        the hidden states named by hidden_layers."""
         assert self.max_seq_len, "call setup_caches() first"
         kv_len = int(input_pos[-1]) + 1  # the cache slots any row can see
         if tree_parents is None:
@@ -338,7 +346,8 @@ class Transformer(nn.Module):
         """After a tree's verification: move the keys and values of the accepted nodes (at
         path_slots, root to leaf) to first_slot, first_slot + 1, ..., where a chain would have
         written them; what lies past them is stale and masked, as after a chain's rewind."""
-        if not path_slots or path_slots[0] == first_slot and path_slots[-1] == first_slot + len(path_slots) - 1:
+        last_slot = first_slot + len(path_slots) - 1
+        if not path_slots or path_slots[0] == first_slot and path_slots[-1] == last_slot:
             return  # already in place (a path down the first children)
         device = self.embed_tokens.weight.device
         src = torch.tensor(path_slots, device=device)

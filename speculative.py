@@ -32,7 +32,8 @@ class Stats:
     def __post_init__(self):
         self.drafted_at, self.kept_at = [0] * self.k, [0] * self.k
 
-    def result(self, new: list, seconds: float | None, prefill_seconds: float | None, draft_forwards: int) -> dict:
+    def result(self, new: list, seconds: float | None, prefill_seconds: float | None,
+               draft_forwards: int) -> dict:
         """The counts, and where the time went when the run had a clock (None where it had not)."""
         return {
             "tokens": new,
@@ -40,14 +41,16 @@ class Stats:
             "seconds": seconds,
             "prefill_seconds": prefill_seconds,
             "draft_seconds": self.draft_seconds,
-            "tokens_per_s": None if seconds is None else len(new) / max(seconds - prefill_seconds, 1e-9),
+            "tokens_per_s": None if seconds is None else len(new) / max(seconds - prefill_seconds,
+                                                                         1e-9),
             "target_forwards": self.forwards,
             "draft_forwards": draft_forwards,
             "drafted_tokens": self.drafted,
             "declined_tokens": self.declined,  # early exits and lookup misses alike
             "tau": len(new) / max(self.forwards, 1),
             # fraction of blocks that drafted position i in which the token at i was kept
-            "accepted_per_position": [a / d if d else 0.0 for a, d in zip(self.kept_at, self.drafted_at)],
+            "accepted_per_position": [a / d if d else 0.0
+                                      for a, d in zip(self.kept_at, self.drafted_at)],
         }
 
     def count(self, asked: int, drafted: int, kept: int, depth: int | None = None):
@@ -78,23 +81,23 @@ class Step:
     depth: int | None = None  # a tree's depth (acceptance by position is then by depth)
 
 
-def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier, temperature: float = 0.0,
-                     top_p: float = 1.0, generator=None) -> Step:
+def speculative_step(step_fn, seq: list, draft, k: int, verifier: Verifier,
+                     temperature: float = 0.0, top_p: float = 1.0, generator=None) -> Step:
     """The algorithm: the draft guesses k tokens; one target forward (step_fn) scores the last
     committed token and the k guesses at positions [L-1, L+k-1]; the verifier keeps n guesses and
     adds one token of its own. k = 0 is a plain step."""
     guesses, q = draft.propose(k) if k > 0 else (torch.tensor([], dtype=torch.long), None)
     logits, hidden = score(step_fn, seq, guesses, draft.target_layers)
     p = probs_from_logits(logits[0], temperature, top_p)  # (k + 1, V)
-    q = None if q is None else q.to(p.device)
-    n, next_token = verify(p[None], None if q is None else q[None], guesses.to(p.device)[None], verifier,
-                           generator)
+    q = None if q is None else q.to(p.device)  # (k, V)
+    n, next_token = verify(p[None], None if q is None else q[None], guesses.to(p.device)[None],
+                           verifier, generator)  # (a batch of one)
     n = int(n)  # the one host sync of the step
     return Step(guesses[:n].tolist() + [int(next_token)], n, hidden, guesses, p, q, len(guesses))
 
 
-def tree_step(target, seq: list, draft, size: int, depth: int, verifier: Verifier, temperature: float = 0.0,
-              top_p: float = 1.0, generator=None) -> Step:
+def tree_step(target, seq: list, draft, size: int, depth: int, verifier: Verifier,
+              temperature: float = 0.0, top_p: float = 1.0, generator=None) -> Step:
     """speculative_step with a tree: the draft proposes at most `size` nodes, at most `depth` deep;
     the forward scores every node against its own ancestors (model.tree_attention), the verifier
     walks down one path, and the target's cache keeps that path (target.keep_path)."""
@@ -115,7 +118,7 @@ def score(step_fn, seq: list, guesses: torch.Tensor, hidden_layers, tree_parents
     """The target's forward over the last committed token and the guesses, at positions [L-1,
     L-1+len(guesses)]: (logits (1, len(guesses) + 1, V), hidden states at hidden_layers)."""
     device = step_fn.embed_tokens.weight.device
-    x = torch.cat([torch.tensor([seq[-1]]), guesses.cpu()]).to(device)[None]  # (1, len(guesses) + 1)
+    x = torch.cat([torch.tensor([seq[-1]]), guesses.cpu()]).to(device)[None]  # (1, guesses + 1)
     positions = torch.arange(len(seq) - 1, len(seq) + len(guesses), device=device)
     return step_fn(x, positions, hidden_layers=hidden_layers, tree_parents=tree_parents)
 
@@ -148,7 +151,7 @@ def exact_verifier(temperature: float) -> Verifier:
     return Verifier("greedy" if temperature <= 0 else "lossless")
 
 
-@torch.inference_mode()  # (no_grad's version and view tracking cost a few percent of a CPU step)
+@torch.inference_mode()  # (decoding never needs autograd's version and view tracking)
 def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = None, k: int = 0,
              max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, stop_ids=(),
              generator: torch.Generator | None = None, on_tokens=None, step_fn=None, on_verify=None,
@@ -164,21 +167,22 @@ def generate(target, prompt_ids: list, draft=None, verifier: Verifier | None = N
     verifier = exact_verifier(temperature) if verifier is None else verifier
     step_fn = target if step_fn is None else step_fn  # (a compiled module has no truth value)
     draft, k = (NoDraft(), 0) if draft is None else (draft, k)
-    check_request(target.max_seq_len, len(prompt_ids), max_new_tokens, max(k, tree if k else 0), verifier,
-                  temperature)
+    check_request(target.max_seq_len, len(prompt_ids), max_new_tokens, max(k, tree if k else 0),
+                  verifier, temperature)
     t_start = clock() if clock else None
     draft_forwards_before = draft.forwards
     prefill(target, prompt_ids, draft)
     t_prefill = clock() - t_start if clock else None
     seq, new, stats = list(prompt_ids), [], Stats(k)
     drafting = TimedDraft(draft, clock) if clock else draft
+    sampling = (temperature, top_p, generator)
     while len(new) < max_new_tokens:
         # guesses past the token budget are wasted; a DFlash block holds at most block_size - 1
         budget = min(k, max_new_tokens - len(new) - 1, draft.max_tokens)
         if tree and budget > 0:
-            step = tree_step(target, seq, drafting, tree, budget, verifier, temperature, top_p, generator)
+            step = tree_step(target, seq, drafting, tree, budget, verifier, *sampling)
         else:
-            step = speculative_step(step_fn, seq, drafting, budget, verifier, temperature, top_p, generator)
+            step = speculative_step(step_fn, seq, drafting, budget, verifier, *sampling)
         stats.count(tree if step.depth is not None else budget, step.drafted, step.kept, step.depth)
         if on_verify is not None:
             on_verify(step.p, step.q, step.guesses, step.kept)
@@ -203,8 +207,11 @@ def prefill(target, prompt_ids: list, draft):
     """The target fed every prompt token but the last (each step starts by feeding that one), and
     the draft started on the prompt and the target's hidden states there."""
     device, L = target.embed_tokens.weight.device, len(prompt_ids)
-    _, hidden = target(torch.tensor([prompt_ids[:-1]], device=device), torch.arange(L - 1, device=device),
-                       hidden_layers=draft.target_layers, last_logits_only=True) if L > 1 else (None, [])
+    hidden = []
+    if L > 1:
+        _, hidden = target(torch.tensor([prompt_ids[:-1]], device=device),
+                           torch.arange(L - 1, device=device), hidden_layers=draft.target_layers,
+                           last_logits_only=True)
     draft.start(prompt_ids, torch.cat(hidden, -1)[0] if hidden else None)  # (L-1, n_layers * dim)
 
 
@@ -223,7 +230,8 @@ def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifie
                          f"{L + max_new_tokens + k} positions; the context holds {max_seq_len} ({remedy})")
 
 
-def adaptive(draft, block_costs: tuple, tree: int = 0, temperature: float = 0.0, clock=None) -> Draft:
+def adaptive(draft, block_costs: tuple, tree: int = 0, temperature: float = 0.0,
+             clock=None) -> Draft:
     """The draft with its length (or with tree > 0, its tree's size) chosen each step by what a
     block costs (draft.AdaptiveDraft). block_costs: (cost(n, context) of a forward verifying n
     drafted tokens, in one-token steps, and the seconds of one step), as the caller measured them

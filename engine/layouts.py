@@ -19,6 +19,10 @@ they were timed and their repeats agreed, keyed by the step code's digest too: n
 timed anew, a new comment not. A kept choice stands until a trusted timing replaces it; where none
 was ever kept, a fixed order decides (FIXED_ORDER), so what a run prints never depends on how busy
 the machine was when it started. A kept timing that no forward could give is timed again.
+
+Whatever the layout, a CPU run keeps its KV cache in fp32 (model.KVCache): torch's CPU attention
+for one query is several times slower in bf16 than in fp32, and at a long context attention is
+most of a step.
 """
 import ast
 import hashlib

@@ -139,3 +139,31 @@ def test_no_core_function_is_over_50_lines(name):
     long = {n: length for n, length in definition_lengths(ROOT / name).items()
             if length > 50 and not (n[0].isupper() and "." not in n)}  # (classes may be longer)
     assert not long, long
+
+
+FIRST_TYPED = {"decode": ["--target", "--draft", "--verifier", "-k", "--prompt", "--temperature", "--max-new-tokens"],
+               "train_vat": ["--target", "--draft", "--objective", "--data", "--steps", "--out", "--resume"],
+               "bench": ["--target", "--drafts", "--verifiers", "--temperatures", "--limit", "--quick", "--out"]}
+
+
+@pytest.mark.parametrize("script", FIRST_TYPED)
+def test_help_opens_with_what_a_user_types_first(script, capsys, monkeypatch):
+    """--help fits a screen (decode.py's, <= 45 lines; the others' first 45 lines) and holds the
+    options a user types first; --help-all adds the rest, and they all still parse."""
+    import importlib
+    monkeypatch.setenv("COLUMNS", "80")
+    module = importlib.import_module(script)
+
+    def help_text(flag):
+        with pytest.raises(SystemExit):
+            module.get_args([flag])
+        return capsys.readouterr().out
+    short, full = help_text("--help"), help_text("--help-all")
+    lines = short.splitlines()
+    if script == "decode":
+        assert len(lines) <= 45, len(lines)
+    first_screen = "\n".join(lines[:45])
+    for option in FIRST_TYPED[script]:
+        assert f"  {option} " in first_screen or f"  {option}," in first_screen, option
+    assert len(full.splitlines()) > len(lines) and "--help-all" in short
+    assert "--seed" in full and "--seed" not in short
