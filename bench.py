@@ -194,9 +194,9 @@ def add_run_args(ap):
     committed = DEFAULT_DRAFTS.get(DEFAULT_TARGET)
     default_drafts = "lookup" + (f",{committed},{committed}@ee" if committed and committed.is_dir() else "")
     g.add_argument("--drafts", default=default_drafts,
-                   help="comma-separated drafts as decode.py's --draft takes them, with suffixes in any order: "
-                        "@ee or @ee0.2 (early exit), @conf (it reads the confidence), @tree16, @adapt; default: "
-                        "lookup and the committed draft of the default target, with and without @ee")
+                   help="comma-separated drafts as decode.py's --draft takes them, suffixed @ee or @ee0.2 "
+                        "(early exit), @conf, @tree16, @adapt; default: lookup and the default target's "
+                        "committed draft, without and with @ee")
     g.add_argument("--verifiers", default="greedy,lossless",
                    help=f"comma-separated, from {','.join(VERIFIERS)}; greedy runs at T=0 only, and "
                         "lossless not there when greedy does (the same rule at T=0)")

@@ -211,6 +211,7 @@ def test_missing_weights_and_drafts_fail_in_one_line_and_keep_the_log_usable(tmp
     assert lossy.read_partial(out.with_name(out.name + ".problems.jsonl"), {"config": 1}) == {}
 
 
+@pytest.mark.slow  # (the grader and the quick run are tested apart in the default suite)
 @needs_bwrap
 def test_gsm8k_and_humaneval_run_through_the_same_experiment(tmp_path):
     out = tmp_path / "hard.json"
