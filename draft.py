@@ -22,7 +22,9 @@ class Draft:
     declares what differs. Shapes: V is the target's vocabulary, dim its hidden size."""
     target_layers: tuple = ()  # the target hidden states it reads (model.py's indices); () for none
     forwards: int = 0  # draft forwards run so far (lookups are none)
-    max_tokens: float = float("inf")  # the most guesses one propose can return (a DFlash block's size - 1)
+    max_tokens: float = float(
+        "inf"
+    )  # the most guesses one propose can return (a DFlash block's size - 1)
     # proposing costs nothing worth timing: AdaptiveDraft may watch its proposals unverified
     free: bool = False
     # propose_tree ranks its nodes and takes size=: AdaptiveDraft can size its trees (T = 0)
@@ -37,14 +39,14 @@ class Draft:
         raise NotImplementedError
 
     def propose(self, k: int) -> tuple:
-        """(tokens (k',), q (k', V) or None): k' <= k guesses continuing the committed sequence, with
-        the distributions they were drawn from (None: deterministic); fewer than k when the draft
-        declines the rest."""
+        """(tokens (k',), q (k', V) or None): k' <= k guesses continuing the committed sequence,
+        with the distributions they were drawn from (None: deterministic); fewer than k when the
+        draft declines the rest."""
         raise NotImplementedError
 
     def propose_tree(self, n: int, depth: int, size=None) -> tuple:
-        """(tokens (n',), parents (n' ints, -1 for a child of the last committed token), q (n', V) or
-        None): a draft tree of at most n nodes and depth, in topological order, siblings in the
+        """(tokens (n',), parents (n' ints, -1 for a child of the last committed token), q (n', V)
+        or None): a draft tree of at most n nodes and depth, in topological order, siblings in the
         order verification tries them. q[i] is the distribution node i was drawn from given its
         earlier siblings; None: chosen deterministically (verify.py's tree section). size, for
         drafts that size their trees (sizes_trees): given the candidate nodes' values best first,
@@ -54,7 +56,8 @@ class Draft:
     def commit(self, new_ids: list, n_accepted: int, features: torch.Tensor | None) -> None:
         """The verifier kept n_accepted guesses and added one token of its own; new_ids are all of
         them, features (n_accepted + 1, len(target_layers) * dim) the target's states at the
-        positions just committed (or None). A draft with a cache rewinds it to what is still valid."""
+        positions just committed (or None). A draft with a cache rewinds it to what is still
+        valid."""
         raise NotImplementedError
 
 
@@ -65,9 +68,9 @@ EXIT_SIGNALS = ("head", "confidence")
 
 
 def exit_probability(signal: str, logits: torch.Tensor, head_logits: torch.Tensor) -> torch.Tensor:
-    """Draft logits (..., Vd) and head logits (...) -> the early-exit signal (...) in [0, 1]; drafting
-    stops at the first token whose signal falls below the threshold. The confidence is read before
-    temperature or top-p, so one threshold means the same at every temperature."""
+    """Draft logits (..., Vd) and head logits (...) -> the early-exit signal (...) in [0, 1];
+    drafting stops at the first token whose signal falls below the threshold. The confidence is read
+    before temperature or top-p, so one threshold means the same at every temperature."""
     if signal == "head":
         return torch.sigmoid(head_logits)
     return torch.softmax(logits.float(), -1).amax(-1)
@@ -92,6 +95,7 @@ def as_tree(tokens: torch.Tensor, q):
 
 class NoDraft(Draft):
     """Plain decoding: proposes nothing, so every step is one ordinary decoding step."""
+
     max_tokens = 0
 
     def start(self, prompt_ids, features=None):
@@ -108,6 +112,7 @@ class LookupDraft(Draft):
     """Prompt lookup decoding: find the most recent earlier occurrence of the last n tokens
     (n from max_ngram down to min_ngram) and propose the tokens that followed it. An index of
     every n-gram's positions makes a lookup cost the same at any context length."""
+
     free = True  # a lookup costs no forward
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
@@ -125,15 +130,17 @@ class LookupDraft(Draft):
             self.seq.append(token)
             end = len(self.seq)
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                self.starts.setdefault(tuple(self.seq[end - n:]), []).append(end - n)
+                self.starts.setdefault(tuple(self.seq[end - n :]), []).append(end - n)
 
     def continuations(self, k: int):
         """What followed earlier occurrences of the last n tokens (at most k tokens each): longest
         n first, then the most recent match first."""
         seq = self.seq
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            for start in reversed(self.starts.get(tuple(seq[-n:]), [])[:-1]):  # (the last is the tail itself)
-                follow = seq[start + n:start + n + k]
+            for start in reversed(
+                self.starts.get(tuple(seq[-n:]), [])[:-1]
+            ):  # (the last is the tail itself)
+                follow = seq[start + n : start + n + k]
                 if follow:
                     yield follow
 
@@ -171,7 +178,12 @@ class ModelDraft(Draft):
     has not seen (one, or two after a fully accepted block) and then drafts k tokens."""
 
     def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0, generator=None):
-        self.model, self.temperature, self.top_p, self.generator = model, temperature, top_p, generator
+        self.model, self.temperature, self.top_p, self.generator = (
+            model,
+            temperature,
+            top_p,
+            generator,
+        )
         self.device = model.embed_tokens.weight.device
         self.seq: list = []
         self.cache_len = 0
@@ -184,7 +196,7 @@ class ModelDraft(Draft):
 
     @torch.no_grad()
     def propose(self, k: int):
-        pending = self.seq[self.cache_len:]  # committed, not yet in the draft's cache
+        pending = self.seq[self.cache_len :]  # committed, not yet in the draft's cache
         tokens, dists = [], []
         x = torch.tensor([pending], device=self.device)
         pos = torch.arange(self.cache_len, len(self.seq), device=self.device)
@@ -213,6 +225,7 @@ class ModelDraft(Draft):
 # -----------------------------------------------------------------------------
 # Shared by the trained drafts (eagle3.py, dflash.py)
 
+
 def draw_without_replacement(q: torch.Tensor, m: int, generator=None) -> list:
     """Up to m distinct tokens drawn in turn from q (V,), each from q with the earlier ones removed:
     [(token, the distribution it was drawn from (V,), q(token))]. Fewer where q has fewer tokens."""
@@ -230,6 +243,7 @@ def draw_without_replacement(q: torch.Tensor, m: int, generator=None) -> list:
 
 # -----------------------------------------------------------------------------
 # Hybrid: prompt lookup where the context repeats, the model draft elsewhere
+
 
 class HybridDraft(Draft):
     """Prompt lookup first, the model draft when lookup finds no match of at least two tokens.
@@ -275,29 +289,30 @@ class HybridDraft(Draft):
 
     def adapted(self, wrap):
         """The hybrid with each source wrapped apart (wrap: a draft -> its AdaptiveDraft). A lookup
-        match is kept far more often than a model guess and costs no forward: one acceptance rate and
-        one draft time for both would draft the model where only lookup pays, or pause lookup's free
-        matches where only the model does not pay. Apart, lookup drafts or is watched by its own
-        record, and the model drafts by its own on the steps lookup leaves it."""
+        match is kept far more often than a model guess and costs no forward: one acceptance rate
+        and one draft time for both would draft the model where only lookup pays, or pause lookup's
+        free matches where only the model does not pay. Apart, lookup drafts or is watched by its
+        own record, and the model drafts by its own on the steps lookup leaves it."""
         return HybridDraft(wrap(self.model_draft), wrap(self.lookup))
 
 
 # -----------------------------------------------------------------------------
 # Adaptive draft length: draft long where guesses are kept, pause where none are
 
+
 class AdaptiveDraft(Draft):
     """Wraps any draft and drafts, each step, the number of tokens that pays: the n maximizing
-    expected tokens per unit of time, (1 + a + ... + a^n) / cost(n, context), where a is the
-    recent acceptance rate of a drafted token (decayed counts from a prior) and
-    cost(n, context) what a forward verifying n drafted tokens costs in one-token steps on this
-    machine at this context length (layouts.block_cost_model), plus the draft's own time. n = 0 is
-    a plain decoding step: where no length pays, the run decodes plainly. It keeps learning
-    whether drafting pays again: a free draft (prompt lookup) is watched, its proposals compared
-    with the tokens plain decoding commits, at no cost; any other drafts one token after 4, 8, 16
-    and then every 32 plain steps. cost None (a GPU, where a block costs about a step) counts every block as
-    one step. The draft still sees every commit. Trees are sized by the same rule (propose_tree).
-    clock: the caller's (a callable giving seconds), with which the draft's own time is learned;
-    without one the draft is taken to cost nothing."""
+    expected tokens per unit of time, (1 + a + ... + a^n) / cost(n, context), where a is the recent
+    acceptance rate of a drafted token (decayed counts from a prior) and cost(n, context) what a
+    forward verifying n drafted tokens costs in one-token steps on this machine at this context
+    length (layouts.block_cost_model), plus the draft's own time. n = 0 is a plain decoding step:
+    where no length pays, the run decodes plainly. It keeps learning whether drafting pays again: a
+    free draft (prompt lookup) is watched, its proposals compared with the tokens plain decoding
+    commits, at no cost; any other drafts one token after 4, 8, 16 and then every 32 plain steps.
+    cost None (a GPU, where a block costs about a step) counts every block as one step. The draft
+    still sees every commit. Trees are sized by the same rule (propose_tree). clock: the caller's (a
+    callable giving seconds), with which the draft's own time is learned; without one the draft is
+    taken to cost nothing."""
 
     # plain steps between one-token probes of a draft that does not pay, doubling from FIRST_PAUSE
     # to MAX_PAUSE: a probe costs a block of two tokens and a draft forward, and a draft that
@@ -333,8 +348,8 @@ class AdaptiveDraft(Draft):
         self.context = context
         self.paused = self.next_pause = self.FIRST_PAUSE
         self.proposed, self.watched = 0, []
-        # trees: tokens kept against the tokens their nodes' values expected (decayed, a prior of one
-        # tree that kept what it expected), and the last tree's expectation until its verdict
+        # trees: tokens kept against the tokens their nodes' values expected (decayed, a prior of
+        # one tree that kept what it expected), and the last tree's expectation until its verdict
         self.tree_kept, self.tree_valued, self.tree_expected, self.tree_depth = 1.0, 1.0, None, 0
 
     def learn(self, kept: bool):
@@ -348,11 +363,13 @@ class AdaptiveDraft(Draft):
         def rate(n):
             cost = (self.cost(n, self.context) if self.cost else 1.0) + n * self.draft_step
             return (1 - a ** (n + 1)) / (1 - a) / cost
+
         return max(range(k + 1), key=lambda n: rate(n) / (self.MARGIN if n else 1.0))
 
     def paced(self, n: int) -> int:
         """The best length n, except that where none pays (n = 0), one token is drafted after 4, 8,
-        16, then every 32 plain steps, to find out whether drafting pays again. 0: a plain step now."""
+        16, then every 32 plain steps, to find out whether drafting pays again. 0: a plain step
+        now."""
         if n:
             self.paused = self.next_pause = self.FIRST_PAUSE
             return n
@@ -396,7 +413,9 @@ class AdaptiveDraft(Draft):
         if depth == 0:
             return no_tokens()[0], [], None
         start = self.clock() if self.clock else None
-        tokens, parents, q = self.draft.propose_tree(n, depth, size=lambda values: self.tree_size(values, depth))
+        tokens, parents, q = self.draft.propose_tree(
+            n, depth, size=lambda values: self.tree_size(values, depth)
+        )
         self.time_draft(start, depth)
         self.proposed = len(tokens)
         self.tree_depth = max(tree_depths(parents), default=0)
@@ -411,8 +430,11 @@ class AdaptiveDraft(Draft):
         c = self.tree_kept / self.tree_valued
 
         def rate(m):
-            cost = (self.cost(m, self.context) if self.cost else 1.0) + (depth * self.draft_step if m else 0.0)
+            cost = (self.cost(m, self.context) if self.cost else 1.0) + (
+                depth * self.draft_step if m else 0.0
+            )
             return (1 + c * sum(values[:m])) / cost
+
         m = max(range(len(values) + 1), key=lambda m: rate(m) / (self.MARGIN if m else 1.0))
         self.tree_expected = sum(values[:m]) if m else None
         return m
@@ -420,7 +442,9 @@ class AdaptiveDraft(Draft):
     def commit(self, new_ids, n_accepted, features=None):
         self.draft.commit(new_ids, n_accepted, features)
         self.context += len(new_ids)
-        if self.tree_expected is not None:  # a tree's verdict: what its values expected, what it kept
+        if (
+            self.tree_expected is not None
+        ):  # a tree's verdict: what its values expected, what it kept
             self.tree_kept = self.DECAY * self.tree_kept + n_accepted
             self.tree_valued = self.DECAY * self.tree_valued + self.tree_expected
             self.tree_expected = None
@@ -432,7 +456,7 @@ class AdaptiveDraft(Draft):
             if n_accepted < (self.tree_depth or self.proposed):
                 self.learn(False)
             self.proposed = 0  # learned once: in a hybrid, the next step may go to the other source
-        else:  # the watched proposal against what was committed (one token, or another source's block)
+        else:  # the watched proposal against what was committed (a token or another's block)
             for token in new_ids:
                 if not self.watched:
                     break

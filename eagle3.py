@@ -36,7 +36,7 @@ class Eagle3Layer(nn.Module):
         self.mlp = M.MLP(args)
 
     def qkv(self, embeds, hidden, cos, sin):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # (..., 2 * dim)
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # (.., 2 * dim)
         return self.self_attn.project(x, cos, sin)
 
     def finish(self, hidden, attn_out):
@@ -69,11 +69,13 @@ class Eagle3(nn.Module):
         row sees (a cache at inference, the training-time test's pattern in training) and returns
         (B, T, heads * head_dim). -> the next pre-norm states (B, T, dim), which heads() reads."""
         layer = self.midlayer
-        q, k, v = layer.qkv(embeds, hidden, cos, sin)  # (B, heads, T, head_dim), (B, kv_heads, T, head_dim) x2
+        # q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim)
+        q, k, v = layer.qkv(embeds, hidden, cos, sin)
         return layer.finish(hidden, layer.self_attn.o_proj(attend(q, k, v)))
 
     def heads(self, h):
-        """Pre-norm output (..., dim) -> draft-vocabulary logits (..., Vd), verification logit (...)."""
+        """Pre-norm output (..., dim) -> draft-vocabulary logits (..., Vd), verification logit
+        (...)."""
         x = self.norm(h)
         return self.lm_head(x), self.verify_head(x)[..., 0]
 
@@ -120,21 +122,24 @@ class Eagle3Draft(Draft):
         self.pending_features = [] if features is None else [features]
 
     def step(self, tokens, hidden, rope_pos, slots, visible):
-        """One draft forward: tokens (T,) with the states they pair with, hidden (T, dim), rotated at
-        rope_pos (T,), written to cache slots (T,), each row seeing the slots `visible` marks
+        """One draft forward: tokens (T,) with the states they pair with, hidden (T, dim), rotated
+        at rope_pos (T,), written to cache slots (T,), each row seeing the slots `visible` marks
         (T, kv_len): a chain's causal rows, or a tree's context and ancestors. -> (T, dim)."""
         def attend(q, k, v):
             keys, values = self.cache.update(slots, k, v)
             kv_len = visible.shape[1]
-            mixed = self.net.midlayer.self_attn.mix(q, keys[:, :, :kv_len], values[:, :, :kv_len], visible)
+            keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+            mixed = self.net.midlayer.self_attn.mix(q, keys, values, visible)
             return mixed.transpose(1, 2).flatten(2)  # (1, T, heads * head_dim)
         self.forwards += 1
-        return self.net(self.embed(tokens)[None], hidden[None], self.cos[rope_pos], self.sin[rope_pos], attend)[0]
+        cos, sin = self.cos[rope_pos], self.sin[rope_pos]
+        return self.net(self.embed(tokens)[None], hidden[None], cos, sin, attend)[0]
 
     def chain_step(self, tokens, hidden, pos: int):
         """step() for rows at positions pos..pos+T-1, each seeing what precedes it."""
         positions = torch.arange(pos, pos + len(tokens), device=hidden.device)
-        visible = torch.arange(pos + len(tokens), device=hidden.device) <= positions[:, None]  # (T, pos+T)
+        slots = torch.arange(pos + len(tokens), device=hidden.device)
+        visible = slots <= positions[:, None]  # (T, pos+T)
         return self.step(tokens, hidden, positions, positions, visible)
 
     def feed_pending(self):
@@ -143,7 +148,8 @@ class Eagle3Draft(Draft):
         net = self.net
         device, dtype = net.fc.weight.device, net.fc.weight.dtype
         tokens_in = torch.tensor(self.pending_tokens, dtype=torch.long, device=device)
-        fused = net.fc(torch.cat(self.pending_features).to(device, dtype))  # (n, 3 * target_dim) -> (n, dim)
+        # (n, 3 * target_dim) -> (n, dim)
+        fused = net.fc(torch.cat(self.pending_features).to(device, dtype))
         state = self.chain_step(tokens_in, fused, self.cache_len)[-1:]  # (1, dim)
         self.cache_len += len(tokens_in)
         self.pending_tokens, self.pending_features = [], []
@@ -172,8 +178,8 @@ class Eagle3Draft(Draft):
             return no_tokens()
         return torch.stack(tokens), torch.stack(dists)
 
-    def feed_nodes(self, expand: list, tokens: list, parents: list, slots: dict, state_of: dict, base: int,
-                   d: int) -> torch.Tensor:
+    def feed_nodes(self, expand: list, tokens: list, parents: list, slots: dict, state_of: dict,
+                   base: int, d: int) -> torch.Tensor:
         """Feed the tree nodes `expand` (all at depth d + 1) in one draft forward, each into a new
         cache slot after `base` and seeing only the context and its own ancestors; records each
         node's slot and output state. -> (E, dim), the states their children are drawn from."""
@@ -187,9 +193,10 @@ class Eagle3Draft(Draft):
             while node >= 0:  # the node and its ancestors, all fed at earlier depths
                 visible[row, slots[node]] = True
                 node = parents[node]
-        hidden = torch.stack([state_of[parents[i]] for i in expand])  # (E, dim): each parent's output
+        hidden = torch.stack([state_of[parents[i]] for i in expand])  # (E, dim): parents' outputs
         rope = torch.full((len(expand),), base + d, device=device)  # depth d + 1, as in a chain
-        states = self.step(torch.tensor([tokens[i] for i in expand], device=device), hidden, rope, fed, visible)
+        fed_tokens = torch.tensor([tokens[i] for i in expand], device=device)
+        states = self.step(fed_tokens, hidden, rope, fed, visible)
         state_of.update(zip(expand, states))
         return states
 
@@ -212,12 +219,14 @@ class Eagle3Draft(Draft):
             return torch.tensor([], dtype=torch.long), [], None
         expand_states = self.feed_pending()  # (1, dim): the root's
         base = self.cache_len
-        tokens, parents, scores, slots, qs = [], [], [], {}, []  # candidates; draft cache slot of each fed node
+        # the candidates, and slots: the draft cache slot of each fed node
+        tokens, parents, scores, slots, qs = [], [], [], {}, []
         expand = [-1]  # nodes whose children come next (-1: the root)
         state_of = {-1: expand_states[0]}  # a fed node's output: what its children are fed with
         for d in range(min(depth, n)):
             new = []
-            for node, children in zip(expand, self.tree_children(expand_states, top_k, lambda: n - len(tokens))):
+            children_of = self.tree_children(expand_states, top_k, lambda: n - len(tokens))
+            for node, children in zip(expand, children_of):
                 parent_score = scores[node] if node >= 0 else 0.0
                 for lq, x, q_i in children:
                     new.append(len(tokens))
@@ -233,7 +242,8 @@ class Eagle3Draft(Draft):
             expand_states = self.feed_nodes(expand, tokens, parents, slots, state_of, base, d)
         if sampled:
             return torch.tensor(tokens, dtype=torch.long), parents, torch.stack(qs) if qs else None
-        ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))  # (a parent before its children)
+        # (a parent before its children)
+        ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))
         n = n if size is None else size([math.exp(scores[i]) for i in ranked[:n]])
         keep = sorted(ranked[:n])  # creation order
         index = {node: j for j, node in enumerate(keep)}
@@ -247,21 +257,23 @@ class Eagle3Draft(Draft):
         earlier nodes' children are in; [] for a node early exit prunes."""
         logits, head_logits = self.net.heads(expand_states)  # (E, Vd), (E,)
         go_on = None if self.early_exit is None else \
-            (exit_probability(self.exit_signal, logits, head_logits) >= self.early_exit).tolist()  # (E,)
+            (exit_probability(self.exit_signal, logits, head_logits) >= self.early_exit).tolist()
         if self.temperature > 0:
-            q_expand = self.net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (E, V)
+            q_draft = probs_from_logits(logits, self.temperature, self.top_p)  # (E, Vd)
+            q_expand = self.net.to_target_probs(q_draft)  # (E, V)
         else:
             to_target = self.net.draft_to_target()
             logq = torch.log_softmax(logits.float(), -1)
             top_logq, top_ids = logq.topk(min(top_k, logq.shape[-1]), -1)  # (E, top_k)
         for e in range(len(expand_states)):
             if go_on is not None and not go_on[e]:
-                yield []  # the head (or the confidence) expects this node's children rejected: prune
+                yield []  # the head (or the confidence) expects its children rejected: prune
             elif self.temperature > 0:
                 drawn = draw_without_replacement(q_expand[e], min(top_k, room()), self.generator)
                 yield [(math.log(q_expand[e, x].item()), x, q_i) for x, q_i, _ in drawn]
             else:
-                yield [(lq, int(to_target[i]), None) for lq, i in zip(top_logq[e].tolist(), top_ids[e].tolist())]
+                ranked = zip(top_logq[e].tolist(), top_ids[e].tolist())
+                yield [(lq, int(to_target[i]), None) for lq, i in ranked]
 
     def commit(self, new_ids, n_accepted, features=None):
         self.proposal_head_logits = ()
@@ -285,10 +297,12 @@ def eagle3_chains(net: Eagle3, embed, tokens, features, b, t, K: int):
     from t sees at inference."""
     B, T = tokens.shape
     cos, sin = M.rope_table(net.args, T + K, features.device, features.dtype)
-    padded = torch.cat([tokens, tokens.new_zeros(B, K + 1)], 1)  # (B, T+K+1): room for the last chains
+    # (B, T+K+1): room for the last chains
+    padded = torch.cat([tokens, tokens.new_zeros(B, K + 1)], 1)
     # step 0 everywhere: its keys and values are every chain's prefix
     grid_state = net.fc(features)  # (B, T, dim)
-    _, prefix_k, prefix_v = net.midlayer.qkv(embed(padded[:, 1:1 + T]), grid_state, cos[:T], sin[:T])
+    _, prefix_k, prefix_v = net.midlayer.qkv(embed(padded[:, 1:1 + T]), grid_state, cos[:T],
+                                             sin[:T])
     state = grid_state[b, t]  # (N, dim)
     own_k, own_v, logits, heads = [], [], [], []
     for s in range(K):
@@ -296,8 +310,10 @@ def eagle3_chains(net: Eagle3, embed, tokens, features, b, t, K: int):
             if s > 0:  # the chain's own keys from step 1 on (step 0's are in the prefix)
                 own_k.append(k[0].transpose(0, 1))  # (N, kv_heads, head_dim)
                 own_v.append(v[0].transpose(0, 1))
-            return chain_attention(q[0].transpose(0, 1), prefix_k, prefix_v, own_k, own_v, b, t)[None]
-        state = net(embed(padded[b, t + 1 + s])[None], state[None], cos[t + s], sin[t + s], attend)[0]  # (N, dim)
+            rows = q[0].transpose(0, 1)  # (N, heads, head_dim)
+            return chain_attention(rows, prefix_k, prefix_v, own_k, own_v, b, t)[None]
+        fed = embed(padded[b, t + 1 + s])[None]
+        state = net(fed, state[None], cos[t + s], sin[t + s], attend)[0]  # (N, dim)
         step_logits, step_heads = net.heads(state)
         logits.append(step_logits)
         heads.append(step_heads)
@@ -308,20 +324,25 @@ def chain_attention(q, prefix_k, prefix_v, own_k: list, own_v: list, b, t):
     """Attention of N chain queries q (N, H, hd) over their sequence's prefix, prefix_k/v
     (B, Hkv, T, hd) at positions <= t, and over their own keys own_k/v (s of (N, Hkv, hd)).
     Returns (N, H*hd). The prefix part runs on the (B, T) grid as one batched matmul (queries
-    scattered to their rows), because a gathered copy of every chain's prefix would cost N*T rows."""
+    scattered to their rows), because a gathered copy of every chain's prefix would cost N*T
+    rows."""
     N, H, hd = q.shape
     B, Hkv, T, _ = prefix_k.shape
     g = H // Hkv  # query heads per key head (grouped-query attention)
     scale = hd ** -0.5
-    grid_q = q.new_zeros(B, T, H, hd).index_put((b, t), q).view(B, T, Hkv, g, hd).permute(0, 2, 3, 1, 4)
-    prefix = (grid_q @ prefix_k[:, :, None].transpose(-1, -2)).permute(0, 3, 1, 2, 4)[b, t]  # (N, Hkv, g, T)
+    grid_q = q.new_zeros(B, T, H, hd).index_put((b, t), q)  # (B, T, H, hd): chains at their rows
+    grid_q = grid_q.view(B, T, Hkv, g, hd).permute(0, 2, 3, 1, 4)  # (B, Hkv, g, T, hd)
+    prefix = grid_q @ prefix_k[:, :, None].transpose(-1, -2)  # (B, Hkv, g, T, T)
+    prefix = prefix.permute(0, 3, 1, 2, 4)[b, t]  # (N, Hkv, g, T)
     later = torch.arange(T, device=q.device) > t[:, None, None, None]  # keys past the chain's base
     scores = [prefix.masked_fill(later, float("-inf")) * scale]
     qn = q.view(N, Hkv, g, hd)
     if own_k:
-        scores.append(torch.einsum("nkgd,nskd->nkgs", qn, torch.stack(own_k, 1)) * scale)  # (N, Hkv, g, s)
+        own = torch.einsum("nkgd,nskd->nkgs", qn, torch.stack(own_k, 1))  # (N, Hkv, g, s)
+        scores.append(own * scale)
     weights = torch.cat(scores, -1).softmax(-1)  # (N, Hkv, g, T + s)
-    grid_w = weights.new_zeros(B, T, Hkv, g, T).index_put((b, t), weights[..., :T]).permute(0, 2, 3, 1, 4)
+    grid_w = weights.new_zeros(B, T, Hkv, g, T).index_put((b, t), weights[..., :T])
+    grid_w = grid_w.permute(0, 2, 3, 1, 4)  # (B, Hkv, g, T, T)
     out = (grid_w @ prefix_v[:, :, None]).permute(0, 3, 1, 2, 4)[b, t]  # (N, Hkv, g, hd)
     if own_v:
         out = out + torch.einsum("nkgs,nskd->nkgd", weights[..., T:], torch.stack(own_v, 1))

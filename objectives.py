@@ -41,7 +41,8 @@ def vat_targets(accepted: torch.Tensor, decay):
     k = torch.arange(1, K + 1, device=accepted.device).expand(N, K)
     kstar = accepted.long().cumprod(-1).sum(-1) + 1  # (N,)
     labels = k < kstar[:, None]
-    w = torch.where(labels, torch.ones_like(k, dtype=torch.float), decay((k - kstar[:, None] + 1).float()))
+    restarted = decay((k - kstar[:, None] + 1).float())  # the decay, restarted at k*
+    w = torch.where(labels, torch.ones_like(k, dtype=torch.float), restarted)
     return kstar, labels, w
 
 
@@ -81,8 +82,8 @@ class LossSettings(NamedTuple):
     beta: float = 1.0
 
 
-def objective(draft_logits, head_logits, target_logp, valid, settings: LossSettings, decay, native: str,
-              target_in_vocab=None):
+def objective(draft_logits, head_logits, target_logp, valid, settings: LossSettings, decay,
+              native: str, target_in_vocab=None):
     """The loss of one batch of K-step chains. draft_logits and target_logp (N, K, V') on the same
     vocabulary, head_logits (N, K), valid (N, K). native: 'soft' (EAGLE-3) or 'hard' (DFlash).
     target_in_vocab (N, K): whether the target's argmax is in the draft vocabulary at all."""
@@ -94,7 +95,8 @@ def objective(draft_logits, head_logits, target_logp, valid, settings: LossSetti
             # greedy verification keeps only the target's argmax, which a draft cannot propose when
             # its vocabulary lacks it; sampled verification can still keep another drafted token
             accepted &= target_in_vocab
-        kstar, labels, w_hat = vat_targets(accepted | ~valid, decay)  # past the sequence: no rejection
+        # past the sequence: no rejection
+        kstar, labels, w_hat = vat_targets(accepted | ~valid, decay)
     valid_f = valid.float()
     ce_valid = valid_f if target_in_vocab is None else valid_f * target_in_vocab
     # VAT changes three things; --vat-parts picks them for the paper's ablation rows
@@ -106,16 +108,18 @@ def objective(draft_logits, head_logits, target_logp, valid, settings: LossSetti
     loss = (weights * ce).sum() / N
     head_loss = torch.zeros(())
     if "head" in parts:
-        head = F.binary_cross_entropy_with_logits(head_logits.float(), labels.float(), reduction="none")
+        head = F.binary_cross_entropy_with_logits(head_logits.float(), labels.float(),
+                                                  reduction="none")
         head_loss = (head * valid_f).sum() / valid_f.sum().clamp_min(1)
         loss = loss + settings.beta * head_loss
     chains = valid[:, 0].bool()  # chains that start inside the response
     n_valid = valid_f.sum().clamp_min(1).item()
+    started = kstar[chains].float()
     stats = {"loss": loss.item(), "head_loss": head_loss.item(),
-             "sim_tau": (kstar[chains].float().mean().item() if chains.any() else 1.0),  # k*-1 kept + bonus
-             # the chains whose loss weights VAT's weighting changes: k* = 1 restarts the decay where
-             # it starts anyway
-             "weighting_changes": ((kstar[chains] > 1).float().mean().item() if chains.any() else 0.0),
+             "sim_tau": started.mean().item() if chains.any() else 1.0,  # k*-1 kept + bonus
+             # the chains whose loss weights VAT's weighting changes: k* = 1 restarts the decay
+             # where it starts anyway
+             "weighting_changes": (started > 1).float().mean().item() if chains.any() else 0.0,
              "head_acc": (((head_logits > 0) == labels).float() * valid_f).sum().item() / n_valid,
              # the share of positions labelled "kept": a constant head scores max(this, 1 - this)
              "kept_share": (labels.float() * valid_f).sum().item() / n_valid}
@@ -130,7 +134,8 @@ def target_pass(target, batch, layers, captured_layers: tuple):
     with torch.no_grad():
         if captured:
             features, final = captured[0], captured[1].to(target.norm.weight.dtype)
-            return target.lm_head(final), captured_features(features, layers, captured_layers, target)
+            features = captured_features(features, layers, captured_layers, target)
+            return target.lm_head(final), features
         logits, hidden = target(tokens, torch.arange(tokens.shape[1], device=tokens.device),
                                 hidden_layers=layers)
         return logits, torch.cat(hidden, -1)
@@ -141,7 +146,8 @@ def captured_features(features, layers, have: tuple, target):
     the draft's order."""
     dim = target.args.dim
     features = features.to(target.norm.weight.dtype)
-    return torch.cat([features[..., have.index(i) * dim:(have.index(i) + 1) * dim] for i in layers], -1)
+    slices = [features[..., have.index(i) * dim:(have.index(i) + 1) * dim] for i in layers]
+    return torch.cat(slices, -1)
 
 
 def eagle3_target_side(net: Eagle3, target, batch, head_weight, captured_layers: tuple):
@@ -156,7 +162,8 @@ def eagle3_target_side(net: Eagle3, target, batch, head_weight, captured_layers:
         features, final, lse, top = captured
         rows = head_weight[net.draft_to_target()].float()  # (Vd, dim)
         logp = F.linear(final.float(), rows) - lse[..., None]  # (B, T, Vd), normalized over all V
-        return captured_features(features, net.target_layers, captured_layers, target), logp, top.long()
+        features = captured_features(features, net.target_layers, captured_layers, target)
+        return features, logp, top.long()
 
 
 def eagle3_loss(net: Eagle3, target, batch, settings: LossSettings, K: int, head_weight=None,
@@ -167,21 +174,24 @@ def eagle3_loss(net: Eagle3, target, batch, settings: LossSettings, K: int, head
     head_weight = target.lm_head.weight if head_weight is None else head_weight
     tokens, response = batch[0], batch[1].bool()
     T = tokens.shape[1]
-    features, target_logp, target_top = eagle3_target_side(net, target, batch, head_weight, captured_layers)
+    features, target_logp, target_top = eagle3_target_side(net, target, batch, head_weight,
+                                                           captured_layers)
     # the chain from base t predicts, at step s, the token at t+2+s; the target's distribution
     # for it sits at t+1+s
     step = torch.arange(K, device=tokens.device)
     predicted = torch.arange(T, device=tokens.device)[:, None] + 2 + step  # (T, K)
     valid = (predicted < T) & response[:, predicted.clamp(max=T - 1)]  # (B, T, K)
     b, t = valid.any(-1).nonzero(as_tuple=True)  # (N,) each: the chains that carry loss
-    logits, heads = eagle3_chains(net, target.embed_tokens, tokens, features, b, t, K)  # (N, K, Vd), (N, K)
+    # (N, K, Vd), (N, K)
+    logits, heads = eagle3_chains(net, target.embed_tokens, tokens, features, b, t, K)
     source = (t[:, None] + 1 + step).clamp(max=T - 1)  # (N, K)
-    return objective(logits, heads, target_logp[b[:, None], source], valid[b, t], settings, eagle3_decay,
-                     native="soft", target_in_vocab=net.t2d[target_top[b[:, None], source]])
+    return objective(logits, heads, target_logp[b[:, None], source], valid[b, t], settings,
+                     eagle3_decay, native="soft",
+                     target_in_vocab=net.t2d[target_top[b[:, None], source]])
 
 
-def dflash_loss(net: DFlash, target, batch, settings: LossSettings, blocks_per_seq: int, head_weight=None,
-                captured_layers: tuple = ()):
+def dflash_loss(net: DFlash, target, batch, settings: LossSettings, blocks_per_seq: int,
+                head_weight=None, captured_layers: tuple = ()):
     """DFlash's block objective on one batch: blocks_per_seq blocks at random anchors inside each
     response. head_weight and captured_layers: as DraftLoss takes them."""
     head_weight = target.lm_head.weight if head_weight is None else head_weight
@@ -191,9 +201,10 @@ def dflash_loss(net: DFlash, target, batch, settings: LossSettings, blocks_per_s
     target_logits, features = target_pass(target, batch, net.target_layers, captured_layers)
     anchors = sample_anchors(response, blocks_per_seq)  # (B, nb)
     # the target's lm_head as a plain matmul (head_weight): the draft's gradient flows through it
-    logits, heads = dflash_blocks(net, target.embed_tokens, lambda x: F.linear(x, head_weight), tokens,
-                                  features, anchors)
-    pos = anchors[..., None] + torch.arange(1, bs, device=tokens.device)  # (B, nb, bs-1) predicted positions
+    logits, heads = dflash_blocks(net, target.embed_tokens, lambda x: F.linear(x, head_weight),
+                                  tokens, features, anchors)
+    # (B, nb, bs-1): the positions predicted
+    pos = anchors[..., None] + torch.arange(1, bs, device=tokens.device)
     pos_inside = pos.clamp(max=T - 1)
     # the target's distribution for the token at pos comes from position pos - 1
     rows = (pos_inside - 1).view(B, -1, 1).expand(-1, -1, target_logits.shape[-1])
@@ -203,8 +214,8 @@ def dflash_loss(net: DFlash, target, batch, settings: LossSettings, blocks_per_s
 
     def blocks(x):  # (B, nb, bs-1, ...) -> (B*nb, bs-1, ...): one chain per block
         return x.flatten(0, 1)
-    return objective(blocks(logits), blocks(heads), blocks(target_logp), blocks(valid), settings, dflash_decay,
-                     native="hard")
+    return objective(blocks(logits), blocks(heads), blocks(target_logp), blocks(valid), settings,
+                     dflash_decay, native="hard")
 
 
 def sample_anchors(response, n: int):

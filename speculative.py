@@ -215,19 +215,23 @@ def prefill(target, prompt_ids: list, draft):
     draft.start(prompt_ids, torch.cat(hidden, -1)[0] if hidden else None)  # (L-1, n_layers * dim)
 
 
+REQUEST_REMEDY = "lower --max-new-tokens, -k or --tree, or raise --max-seq-len"
+
+
 def check_request(max_seq_len: int, L: int, max_new_tokens: int, k: int, verifier: Verifier,
-                  temperature: float, remedy: str = "lower --max-new-tokens, -k or --tree, or raise --max-seq-len"):
+                  temperature: float, remedy: str = REQUEST_REMEDY):
     """A one-line error for what generate cannot do: an empty prompt, more positions than the
     cache holds (remedy: what the caller's user can change), greedy verification at T > 0 (it
     would emit the argmax whatever T says)."""
     if verifier.name == "greedy" and temperature > 0:
-        raise ValueError(f"the greedy verifier keeps the target's argmax, which is temperature 0; at "
-                         f"temperature {temperature:g} use lossless (or a lossy verifier)")
+        raise ValueError(f"the greedy verifier keeps the target's argmax, which is temperature 0; "
+                         f"at temperature {temperature:g} use lossless (or a lossy verifier)")
     if L == 0:
         raise ValueError("empty prompt")
     if L + max_new_tokens + k > max_seq_len:
-        raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + up to {k} drafted a step needs "
-                         f"{L + max_new_tokens + k} positions; the context holds {max_seq_len} ({remedy})")
+        raise ValueError(f"prompt of {L} tokens + {max_new_tokens} new + up to {k} drafted a step "
+                         f"needs {L + max_new_tokens + k} positions; the context holds "
+                         f"{max_seq_len} ({remedy})")
 
 
 def adaptive(draft, block_costs: tuple, tree: int = 0, temperature: float = 0.0,
@@ -247,14 +251,16 @@ def adaptive(draft, block_costs: tuple, tree: int = 0, temperature: float = 0.0,
     return AdaptiveDraft(draft, *block_costs, clock=clock)
 
 
-def adaptive_tree_problem(tree: int, temperature: float, sizes_trees: bool = True) -> str | None:
+def adaptive_tree_problem(tree: int, temperature: float,
+                          sizes_trees: bool = True) -> str | None:
     """Why an adaptive draft cannot size trees of `tree` nodes here, or None: it sizes them at
     temperature 0 only, for drafts whose nodes come ranked (EAGLE-3). Scripts ask it before
     loading anything, with what they know of the draft yet."""
     if tree and temperature > 0:
-        return ("adaptive trees are sized at temperature 0 only: at T > 0 a tree's nodes are drawn, and "
-                "pruning drawn nodes by their value would bias what the verifier sees (drop --adaptive or --tree)")
+        return ("adaptive trees are sized at temperature 0 only: at T > 0 a tree's nodes are "
+                "drawn, and pruning drawn nodes by their value would bias what the verifier sees "
+                "(drop --adaptive or --tree)")
     if tree and not sizes_trees:
-        return ("adaptive trees are sized for EAGLE-3 drafts, whose tree nodes come ranked: drop --adaptive "
-                "or --tree")
+        return ("adaptive trees are sized for EAGLE-3 drafts, whose tree nodes come ranked: drop "
+                "--adaptive or --tree")
     return None

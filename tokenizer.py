@@ -16,29 +16,66 @@ from pathlib import Path
 
 from model import CheckpointError
 
-# the pre-tokenizer split patterns, verbatim from each family's tokenizer (kept on one line each)
-SMOLLM2_REGEX = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+# the pre-tokenizer split patterns, verbatim from each family's tokenizer (split at a '|')
+SMOLLM2_REGEX = (r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|"""
+                 r"""\s+(?![^\s\p{N}])|\s+""")
 GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-QWEN2_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-LLAMA3_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-                  "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
-                  "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-                  "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-                  "<think>", "</think>"]
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>",
-                   "<|reserved_special_token_2|>",
-                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+QWEN2_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+               r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+LLAMA3_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
+                r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN3_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|reserved_special_token_2|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
 LLAMA3_N_SPECIAL = 256
 STOP_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
 
 
 def gpt2_byte_decoder() -> dict:
     """Byte-level BPE writes each byte as a printable unicode character; this maps them back."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))  # 188 bytes that stand for themselves
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )  # 188 bytes that stand for themselves
     unprintable = [b for b in range(256) if b not in printable]
     # the rest stand for 256, 257, ... in byte order
     chars = {b: b for b in printable} | {b: 256 + i for i, b in enumerate(unprintable)}
@@ -52,7 +89,7 @@ class Tokenizer:
     specials: dict = field(default_factory=dict)  # special token string -> id
     chat_format: str = "plain"  # chatml | llama3 | plain
     default_system: str | None = None
-    thinking_off: bool = False  # Qwen3: answer directly, as its template does with enable_thinking=False
+    thinking_off: bool = False
 
     @property
     def stop_ids(self) -> set:
@@ -60,8 +97,11 @@ class Tokenizer:
 
     @property
     def end_of_turn(self) -> int | None:
-        """The token that closes an assistant turn in this chat format (None: plain text has none)."""
-        return self.specials.get({"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(self.chat_format, ""))
+        """The token that closes an assistant turn in this chat format (None: plain text has
+        none)."""
+        return self.specials.get(
+            {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(self.chat_format, "")
+        )
 
     def encode(self, text: str) -> list:
         """Plain text to ids; special-token strings in the text are treated as ordinary text."""
@@ -74,7 +114,8 @@ class Tokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def encode_chat(self, messages: list) -> list:
-        """[{'role', 'content'}, ...] to the ids of a prompt that ends where the assistant speaks."""
+        """[{'role', 'content'}, ...] to the ids of a prompt that ends where the assistant
+        speaks."""
         sp = self.specials
         if self.default_system and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.default_system}] + messages
@@ -85,7 +126,9 @@ class Tokenizer:
                 ids += [sp["<|im_end|>"]] + self.encode("\n")
             ids += [sp["<|im_start|>"]] + self.encode("assistant\n")
             if self.thinking_off:
-                ids += [sp["<think>"]] + self.encode("\n\n") + [sp["</think>"]] + self.encode("\n\n")
+                ids += (
+                    [sp["<think>"]] + self.encode("\n\n") + [sp["</think>"]] + self.encode("\n\n")
+                )
         elif self.chat_format == "llama3":
             ids.append(sp["<|begin_of_text|>"])
             for m in messages + [{"role": "assistant", "content": None}]:
@@ -100,15 +143,21 @@ class Tokenizer:
 
 def tiktoken_encoding(name, pattern, ranks: dict, specials: dict):
     import tiktoken
-    return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+
+    return tiktoken.Encoding(
+        name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
+    )
 
 
 def read_json(path: Path):
-    """A JSON file of a checkpoint; one that is cut short or not JSON is a one-line error naming it."""
+    """A JSON file of a checkpoint; one that is cut short or not JSON is a one-line error naming
+    it."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e.__class__.__name__}: cut short or damaged?)") from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({e.__class__.__name__}: cut short or damaged?)"
+        ) from None
 
 
 def tokenizer_from_hf_json(path: Path) -> Tokenizer:
@@ -118,10 +167,13 @@ def tokenizer_from_hf_json(path: Path) -> Tokenizer:
     tj = read_json(path)
     model = tj.get("model") if isinstance(tj, dict) else None
     if not isinstance(model, dict) or not isinstance(model.get("vocab"), dict):
-        raise CheckpointError(f"{path} holds no tokenizer model with a vocabulary: is it a tokenizer.json?")
+        raise CheckpointError(
+            f"{path} holds no tokenizer model with a vocabulary: is it a tokenizer.json?"
+        )
     if model.get("type") != "BPE":
-        raise CheckpointError(f"{path}: only byte-level BPE tokenizers are supported, "
-                              f"not {model.get('type')}")
+        raise CheckpointError(
+            f"{path}: only byte-level BPE tokenizers are supported, not {model.get('type')}"
+        )
     specials = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
     byte_of = gpt2_byte_decoder()
     ranks = {}
@@ -138,12 +190,15 @@ def tokenizer_from_hf_json(path: Path) -> Tokenizer:
             ranks[bytes([b])] = filler
             filler += 1
     pattern = pre_tokenizer_regex(tj.get("pre_tokenizer") or {})
-    return Tokenizer(tiktoken_encoding(path.parent.name, pattern, ranks, specials), n_vocab, specials)
+    return Tokenizer(
+        tiktoken_encoding(path.parent.name, pattern, ranks, specials), n_vocab, specials
+    )
 
 
 def pre_tokenizer_regex(pre: dict) -> str:
     """The split regex of a tokenizer.json pre-tokenizer: an explicit Split pattern (Qwen2/3,
-    LLaMA-3), or GPT-2's regex with digits split one by one when a Digits step precedes it (SmolLM2)."""
+    LLaMA-3), or GPT-2's regex with digits split one by one when a Digits step precedes it
+    (SmolLM2)."""
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     for s in steps:
         if s.get("type") == "Split" and "Regex" in s.get("pattern", {}):
@@ -162,16 +217,22 @@ def tokenizer_from_tiktoken_file(path: Path, family: str) -> Tokenizer:
             tok, rank = line.split()
             ranks[base64.b64decode(tok)] = int(rank)
     n = len(ranks)
-    if family == "llama3":  # 256 special ids: the named ones, then reserved_special_token_3, _4, ...
+    if (
+        family == "llama3"
+    ):  # 256 special ids: the named ones, then reserved_special_token_3, _4, ...
         first_reserved = 3  # 0..2 are among the named ones
-        names = LLAMA3_SPECIALS + [f"<|reserved_special_token_{first_reserved + i}|>"
-                                   for i in range(LLAMA3_N_SPECIAL - len(LLAMA3_SPECIALS))]
+        names = LLAMA3_SPECIALS + [
+            f"<|reserved_special_token_{first_reserved + i}|>"
+            for i in range(LLAMA3_N_SPECIAL - len(LLAMA3_SPECIALS))
+        ]
         pattern = LLAMA3_REGEX
     else:
         names = QWEN3_SPECIALS
         pattern = QWEN2_REGEX
     specials = {s: n + i for i, s in enumerate(names)}
-    return Tokenizer(tiktoken_encoding(path.stem, pattern, ranks, specials), n + len(names), specials)
+    return Tokenizer(
+        tiktoken_encoding(path.stem, pattern, ranks, specials), n + len(names), specials
+    )
 
 
 def load_tokenizer(model_dir) -> Tokenizer:
@@ -185,7 +246,9 @@ def load_tokenizer(model_dir) -> Tokenizer:
     elif list(model_dir.glob("*.tiktoken")):
         tok = tokenizer_from_tiktoken_file(sorted(model_dir.glob("*.tiktoken"))[0], "qwen")
     else:
-        raise CheckpointError(f"no tokenizer.json, original/tokenizer.model or *.tiktoken in {model_dir}")
+        raise CheckpointError(
+            f"no tokenizer.json, original/tokenizer.model or *.tiktoken in {model_dir}"
+        )
     if "<|start_header_id|>" in tok.specials:
         tok.chat_format = "llama3"
     elif "<|im_start|>" in tok.specials:
@@ -196,7 +259,9 @@ def load_tokenizer(model_dir) -> Tokenizer:
         template = read_json(template_file)
         template = (template.get("chat_template") if isinstance(template, dict) else None) or ""
         # a literal default system prompt in the template (SmolLM2 has one)
-        m = re.search(r"<\|im_start\|>system\n([^<{}'\"]+)<\|im_end\|>",
-                      template if isinstance(template, str) else "")
+        m = re.search(
+            r"<\|im_start\|>system\n([^<{}'\"]+)<\|im_end\|>",
+            template if isinstance(template, str) else "",
+        )
         tok.default_system = m.group(1) if m else None
     return tok

@@ -47,7 +47,8 @@ class Verifier:
             raise ValueError(f"unknown verifier {self.name!r}; choose from {', '.join(VERIFIERS)}")
         checks = {"minp": (0 <= self.p_base <= 1, f"p_base must lie in [0, 1], got {self.p_base}"),
                   "eta": (self.eps > 0 and (self.delta is None or 0 < self.delta <= 1),
-                          f"eta needs eps > 0 and delta in (0, 1], got eps={self.eps} delta={self.delta}"),
+                          f"eta needs eps > 0 and delta in (0, 1], got eps={self.eps} "
+                          f"delta={self.delta}"),
                   "cos": (0 <= self.lam <= 1, f"lam must lie in [0, 1], got {self.lam}"),
                   "lenience": (self.lenience > 0, f"lenience l must be > 0, got {self.lenience}"),
                   "overshoot": (0 <= self.lam <= 1 and self.ceiling >= 1,
@@ -59,8 +60,9 @@ class Verifier:
 
     @property
     def family(self) -> str:
-        return {"greedy": "exact", "lossless": "exact", "minp": "truncation", "eta": "truncation"}.get(
-            self.name, "collaborative")
+        families = {"greedy": "exact", "lossless": "exact", "minp": "truncation",
+                    "eta": "truncation"}
+        return families.get(self.name, "collaborative")
 
 
 # -----------------------------------------------------------------------------
@@ -73,11 +75,12 @@ def check_temperature(value: float, flag: str = "--temperature") -> str | None:
     return None
 
 
-def probs_from_logits(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
+def probs_from_logits(logits: torch.Tensor, temperature: float = 0.0,
+                      top_p: float = 1.0) -> torch.Tensor:
     """(..., V) logits -> (..., V) probabilities; temperature 0 is the one-hot argmax."""
     if temperature <= 0:
-        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1,
-                                                                      logits.argmax(-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(logits, dtype=torch.float32)
+        return one_hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits.float()
     # shifted so the largest is 0 before dividing: a tiny temperature then sends the others to -inf
     # (probability 0) instead of overflowing them all to inf (NaN)
@@ -92,7 +95,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: float = 0.0, top_p: flo
     return probs
 
 
-def sample(probs: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(probs: torch.Tensor, temperature: float,
+           generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per distribution, (..., V) -> (...,): drawn at T > 0, the argmax at T = 0."""
     if temperature <= 0:
         return probs.argmax(-1)
@@ -152,12 +156,14 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def verify(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor, v: Verifier,
            generator: torch.Generator | None = None):
-    """Returns (n_accepted (B,), next_token (B,)). p (B, k+1, V), q (B, k, V) or None, draft (B, k)."""
+    """Returns (n_accepted (B,), next_token (B,)). p (B, k+1, V), q (B, k, V) or None, draft_tokens
+    (B, k)."""
     B, k = draft_tokens.shape
     rows = torch.arange(B, device=p.device)
     # every sampling rule draws the same uniforms, used or not, so that runs of different verifiers
     # from one seed consume the same random numbers and stay coupled until their tokens differ
-    u = torch.rand(B, k, generator=generator, device=p.device) if k > 0 and v.name != "greedy" else None
+    draws = k > 0 and v.name != "greedy"
+    u = torch.rand(B, k, generator=generator, device=p.device) if draws else None  # (B, k)
     if k == 0:  # plain decoding: no draft, the next token comes straight from p
         accepted = torch.zeros(B, 0, dtype=torch.bool, device=p.device)
     elif v.name == "greedy":
@@ -199,8 +205,8 @@ def induced(p: torch.Tensor, q: torch.Tensor, v: Verifier) -> torch.Tensor:
       greedy:     one-hot argmax p
       lossless:   min(q, p) + (1 - sum min(q, p)) * norm(max(0, p - q))   (= p)
       minp, eta:  q * 1_A + (1 - q(A)) * p_A,   A the allowed set, p_A = norm(p * 1_A)
-      cos:        min(q, m) + (1 - sum min(q, m)) * r,  m = lam p + (1-lam) q, r = norm(max(0, p - q))
-                  (= m: the output is the mixture itself)
+      cos:        min(q, m) + (1 - sum min(q, m)) * r,  m = lam p + (1-lam) q,
+                  r = norm(max(0, p - q))   (= m: the output is the mixture itself)
       lenience:   min(q, p / l) + (1 - sum min(q, p / l)) * r
       overshoot:  min(q, t) + (1 - sum min(q, t)) * r,  t = min(m, c p): an overshot token
                   (q > p, so r = 0 there) gets min(q, m, c p) <= c p; the rest is refilled from r
@@ -256,15 +262,16 @@ def children_of(parents: list) -> dict:
     return children
 
 
-def verify_tree(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, parents: list, v: Verifier,
-                generator: torch.Generator | None = None):
+def verify_tree(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, parents: list,
+                v: Verifier, generator: torch.Generator | None = None):
     """Returns (the accepted path as node indices, root to leaf, next_token). p (N+1, V), q (N, V)
     or None, tokens (N,), parents: N ints."""
     N = len(tokens)
     children = children_of(parents)
     tokens = tokens.tolist()
     # the same uniforms as verify's, one per node, so a chain-shaped tree consumes what a chain does
-    u = torch.rand(1, N, generator=generator, device=p.device)[0] if N > 0 and v.name != "greedy" else None
+    draws = N > 0 and v.name != "greedy"
+    u = torch.rand(1, N, generator=generator, device=p.device)[0] if draws else None  # (N,)
     path, node = [], -1
     while True:
         p_node = p[node + 1]  # (V,)
@@ -295,7 +302,8 @@ def verify_tree(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, p
         node = kept
 
 
-def induced_children(p: torch.Tensor, children_tokens: list, children_q: list, v: Verifier) -> torch.Tensor:
+def induced_children(p: torch.Tensor, children_tokens: list, children_q: list,
+                     v: Verifier) -> torch.Tensor:
     """The closed form of one node's output (V,) given its children: the distribution of the token
     verify_tree emits after the node (an accepted child, or a draw of its own) when the children
     are children_tokens in order, children_q their q (None: one-hot). Recursively, x the first

@@ -167,3 +167,9 @@ def test_help_opens_with_what_a_user_types_first(script, capsys, monkeypatch):
         assert f"  {option} " in first_screen or f"  {option}," in first_screen, option
     assert len(full.splitlines()) > len(lines) and "--help-all" in short
     assert "--seed" in full and "--seed" not in short
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_core_lines_fit_100_columns(name):
+    long = [n for n, line in enumerate((ROOT / name).read_text().splitlines(), 1) if len(line) > 100]
+    assert not long, f"{name}: lines {long}"
