@@ -25,6 +25,7 @@ def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # (a whole conversion; the default suite's first decode converts, and atomicity is tested above)
 def test_gguf_conversion_cleans_up_after_killed_ones(tmp_path):
     out = tmp_path / "smol"
     dead = tmp_path / ".tmp-999999999-abc"  # no such process: a conversion killed halfway
