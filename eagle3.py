@@ -130,7 +130,8 @@ class Eagle3Draft(Draft):
             kv_len = visible.shape[1]
             keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
             mixed = self.net.midlayer.self_attn.mix(q, keys, values, visible)
-            return mixed.transpose(1, 2).flatten(2)  # (1, T, heads * head_dim)
+            # (1, T, heads * head_dim), in the draft's dtype (attention runs in the cache's)
+            return mixed.transpose(1, 2).flatten(2).to(hidden.dtype)
         self.forwards += 1
         cos, sin = self.cos[rope_pos], self.sin[rope_pos]
         return self.net(self.embed(tokens)[None], hidden[None], cos, sin, attend)[0]

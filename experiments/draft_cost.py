@@ -1,0 +1,118 @@
+"""
+What one drafted token costs, in target steps: an EAGLE-3 draft's token (its heads, the argmax and
+its one-token forward, eagle3.Eagle3Draft.step) timed against the target's one-token step, eager
+and compiled (engine/compiled.py), with the draft's weights as decode.py loads them (fp32 on a
+CPU) and in bf16. A chain of k tokens costs k of these on top of its verification block, so this
+is what decides whether compiling the draft can make it pay where blocks are dear.
+
+    python experiments/draft_cost.py --out docs/draft-cost/draft-cost.json
+
+Run it with nothing else busy. Medians of --repeats calls each, after a warm-up; the draft's state
+is a fixed vector at the end of a chat prompt's context (what it holds does not change the cost).
+"""
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modules, one folder up
+
+import torch
+
+from engine.checkpoints import build_draft
+from engine.compiled import CPU_OPTIONS, cache_slots, compile_target
+from engine.layouts import layout_of, load_target
+from engine.machine import ArgumentParser, pick_threads
+from engine.weights import DEFAULT_TARGET, resolve_model
+from harness.results import machine_stamp, unwritable, write_results
+from tokenizer import load_tokenizer
+
+PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."
+
+
+def get_args(argv=None):
+    ap = ArgumentParser(description="What one drafted token costs, in target steps.")
+    ap.add_argument("--draft", default="drafts/smollm2-135m-eagle3-chat", help="an EAGLE-3 draft's directory")
+    ap.add_argument("--dtype", default="int4", help="the target's weight layout (decode.py's --dtype)")
+    ap.add_argument("--context", type=int, default=256, help="cached tokens before the timed calls")
+    ap.add_argument("--repeats", type=int, default=50, help="timed calls per variant (medians)")
+    ap.add_argument("--out", type=Path, required=True, help="results JSON")
+    args = ap.parse_args(argv)
+    if args.repeats < 5 or args.context < 8:
+        ap.error("--repeats must be >= 5 and --context >= 8")
+    problem = unwritable(args.out)
+    if problem:
+        ap.error(problem)
+    return args
+
+
+def median_seconds(call, repeats: int) -> float:
+    call()  # (a first call allocates, picks kernels or compiles)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def token_call(draft):
+    """One drafted token as a function of the draft's state (1, dim) and the visible cache slots
+    (a slice whose length is the key count, dynamic in a graph): -> (token, next state)."""
+    net = draft.net
+
+    def draft_token(state, visible):
+        logits, _ = net.heads(state[-1])
+        token = net.draft_to_target().index_select(0, logits.argmax(-1, keepdim=True))  # (1,)
+        position = visible[-1:]
+        seen = torch.ones(1, visible.shape[0], dtype=torch.bool)  # (1, kv_len)
+        return token, draft.step(token, state, position, position, seen)
+    return draft_token
+
+
+def main(argv=None):
+    args = get_args(argv)
+    torch.set_num_threads(pick_threads("auto"))
+    path = resolve_model(DEFAULT_TARGET)
+    tokenizer = load_tokenizer(path)
+    target, _, _ = load_target(str(path), "cpu", args.dtype, cache_slots(args.context + 64, 8192))
+    draft = build_draft(args.draft, target, tokenizer)
+    ids = tokenizer.encode(PROMPT)[:args.context]
+    ids = (ids * (args.context // len(ids) + 1))[:args.context]  # (L,): a context of the asked length
+    slots = torch.arange(target.max_seq_len)
+    visible = slots[:args.context + 1]
+    eager_step = lambda: target(torch.tensor([[ids[-1]]]), visible[-1:])  # noqa: E731
+    with torch.inference_mode():
+        target(torch.tensor([ids[:-1]]), torch.arange(args.context - 1))
+        eager_step_s = median_seconds(eager_step, args.repeats)
+        compiled = compile_target(target, 1, (), "cpu")
+        step_s = median_seconds(lambda: compiled(torch.tensor([[ids[-1]]]), visible[-1:]), args.repeats)
+        rows = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            draft.net.to(dtype)
+            state = torch.zeros(1, draft.net.args.dim, dtype=dtype)
+            call = token_call(draft)
+            graph = torch.compile(call, fullgraph=True, options=CPU_OPTIONS)
+
+            def compiled_call():
+                torch._dynamo.maybe_mark_dynamic(visible, 0)
+                return graph(state, visible)
+            for mode, timed in (("eager", lambda: call(state, visible)), ("compiled", compiled_call)):
+                seconds = median_seconds(timed, args.repeats)
+                rows[f"{str(dtype).removeprefix('torch.')} {mode}"] = {
+                    "ms": seconds * 1e3, "compiled_target_steps": seconds / step_s,
+                    "eager_target_steps": seconds / eager_step_s}
+    result = {"machine": machine_stamp("cpu"),
+              "config": {"target": DEFAULT_TARGET, "layout": layout_of(target), "draft": args.draft,
+                         "context": args.context, "repeats": args.repeats},
+              "target_step_ms": {"eager": eager_step_s * 1e3, "compiled": step_s * 1e3},
+              "draft_token": rows}
+    out = write_results(args.out, result)
+    print(f"target step: eager {eager_step_s * 1e3:.2f} ms, compiled {step_s * 1e3:.2f} ms")
+    for name, row in rows.items():
+        print(f"draft token, {name}: {row['ms']:.2f} ms = {row['compiled_target_steps']:.2f} compiled steps")
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()
