@@ -3,7 +3,9 @@ What one drafted token costs, in target steps: an EAGLE-3 draft's token (its hea
 its one-token forward, eagle3.Eagle3Draft.step) timed against the target's one-token step, eager
 and compiled (engine/compiled.py), with the draft's weights as decode.py loads them (fp32 on a
 CPU) and in bf16. A chain of k tokens costs k of these on top of its verification block, so this
-is what decides whether compiling the draft can make it pay where blocks are dear.
+is what decides whether compiling the draft can make it pay where blocks are dear: a compiled chain
+of COMPILED_K beats plain decoding only where its tau exceeds its block's cost plus its tokens',
+both recorded here in target steps.
 
     python experiments/draft_cost.py --out docs/draft-cost/draft-cost.json
 
@@ -20,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modu
 import torch
 
 from engine.checkpoints import build_draft
-from engine.compiled import CPU_OPTIONS, cache_slots, compile_target
+from engine.compiled import COMPILED_K, CPU_OPTIONS, cache_slots, compile_target
 from engine.layouts import layout_of, load_target
 from engine.machine import ArgumentParser, pick_threads
 from engine.weights import DEFAULT_TARGET, resolve_model
@@ -85,8 +87,9 @@ def main(argv=None):
     with torch.inference_mode():
         target(torch.tensor([ids[:-1]]), torch.arange(args.context - 1))
         eager_step_s = median_seconds(eager_step, args.repeats)
-        compiled = compile_target(target, 1, (), "cpu")
+        compiled = compile_target(target, COMPILED_K + 1, (), "cpu")
         step_s = median_seconds(lambda: compiled(torch.tensor([[ids[-1]]]), visible[-1:]), args.repeats)
+        block_steps = compiled.block_costs(args.repeats)[0](COMPILED_K, args.context)
         rows = {}
         for dtype in (torch.float32, torch.bfloat16):
             draft.net.to(dtype)
@@ -106,9 +109,12 @@ def main(argv=None):
               "config": {"target": DEFAULT_TARGET, "layout": layout_of(target), "draft": args.draft,
                          "context": args.context, "repeats": args.repeats},
               "target_step_ms": {"eager": eager_step_s * 1e3, "compiled": step_s * 1e3},
+              # what a compiled chain of COMPILED_K costs before its draft tokens: its padded block
+              "compiled_block_steps": {"block_len": COMPILED_K + 1, "steps": block_steps},
               "draft_token": rows}
     out = write_results(args.out, result)
-    print(f"target step: eager {eager_step_s * 1e3:.2f} ms, compiled {step_s * 1e3:.2f} ms")
+    print(f"target step: eager {eager_step_s * 1e3:.2f} ms, compiled {step_s * 1e3:.2f} ms; a compiled "
+          f"block of {COMPILED_K + 1}: {block_steps:.2f} steps")
     for name, row in rows.items():
         print(f"draft token, {name}: {row['ms']:.2f} ms = {row['compiled_target_steps']:.2f} compiled steps")
     print(f"results: {out}")
