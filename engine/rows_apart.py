@@ -35,7 +35,8 @@ class RowsApartAttention(M.Attention):
             rows = [self.mix(q[:, :, t:t + 1], k[:, :, :kv_len], v[:, :, :kv_len], mask[t:t + 1]) for t in range(T)]
         elif self.is_chain(mask):
             every = mask.new_ones(1, kv_len)  # (1, kv_len): row t sees the slots up to its own, as its step
-            seen = [kv_len - T + 1 + t for t in range(T)]  # (a range of a graph's key count would fix it)
+            # row t's key count (a list: a range over a graph's key count would fix that count)
+            seen = [kv_len - T + 1 + t for t in range(T)]
             rows = [self.mix(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], every[:, :n]) for t, n in enumerate(seen)]
         else:
             rows = self.tree_rows(q, k, v, mask)
@@ -43,8 +44,8 @@ class RowsApartAttention(M.Attention):
 
     @staticmethod
     def is_chain(mask) -> bool:
-        """Whether a block's rows see the block causally (a chain), rather than a tree's paths:
-        known from its shape in a compiled graph, which attends chains only (Compiled rows)."""
+        """Whether a block's rows see the block causally (a chain) rather than a tree's paths, read
+        off the mask; a compiled graph verifies chains only (engine/compiled.py), so it is one."""
         if torch.compiler.is_compiling():
             return True
         T = mask.shape[0]
