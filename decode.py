@@ -19,8 +19,9 @@ import model as M
 from engine.checkpoints import CONFIDENCE_EXIT_DEFAULT, DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
 from engine.compiled import COMPILED_K, cache_slots, compile_target
 from engine.files import os_error_text, repo_path, repo_relative
-from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, recheck_kept_timing,
-                            run_block_costs, target_layout)
+from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, run_block_costs,
+                            target_layout)
+from engine.timing_cache import recheck_kept_timing
 from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options,
                             machine_problem, pick_threads, wall_clock, wants_compile)
 from data.prompts import read_prompts

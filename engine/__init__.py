@@ -7,7 +7,8 @@ scripts hand it what the engine prepared.
     checkpoints.py   draft folders and training checkpoints: build, load, export, save atomically
     files.py         paths of the repository, atomic writes, JSON and JSONL reading with one-line errors
     linear_forms.py  the CPU forms of a Linear (oneDNN-packed, int8, int4) and the swaps into them
-    layouts.py       which form a run's target takes (--dtype auto: timed once per CPU) and its cache
+    layouts.py       which form a run's target takes (--dtype auto: timed once per CPU)
+    timing_cache.py  the layout timings a machine keeps, and the rules a kept timing must meet
     rows_apart.py    the attention swapped in where blocks must give one-token steps' bits
     compiled.py      the target's step and verification block compiled (torch.compile), blocks exact
     machine.py       device, threads, memory figures, the options every script shares

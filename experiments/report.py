@@ -34,7 +34,8 @@ import model as M
 from harness import peers
 from harness import speed
 from engine.files import DATA, ROOT, os_error_text, read_json_object, repo_relative, write_atomically
-from engine.layouts import CPU_FEATURES, layout_of, load_target
+from engine.layouts import layout_of, load_target
+from engine.timing_cache import CPU_FEATURES
 from engine.machine import ArgumentParser, machine_problem, pick_threads
 from data.prompts import load_prompts
 from harness.results import machine_stamp, save_figure, unwritable, write_results

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from engine.files import ROOT, repo_relative, write_atomically
-from engine.layouts import cpu_description
+from engine.timing_cache import cpu_description
 
 
 def machine_stamp(device: str) -> dict:

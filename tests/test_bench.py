@@ -15,7 +15,7 @@ from harness import stats
 from harness import peers
 import model as M
 from engine.files import ROOT
-from engine.layouts import CPU_FEATURES
+from engine.timing_cache import CPU_FEATURES
 
 
 

@@ -346,7 +346,8 @@ def test_adaptive_lookup_learns_from_what_plain_decoding_commits(tiny):
 
 def test_at_long_context_a_block_costs_more_steps_where_rows_attend_apart():
     from engine import layouts as LY
-    table = {"blocks_ms": {str(b): 10.0 + b for b in LY.BLOCKS}, "attention_ms_per_key": 0.01}
+    from engine import timing_cache as TC
+    table = {"blocks_ms": {str(b): 10.0 + b for b in TC.BLOCKS}, "attention_ms_per_key": 0.01}
     apart, together = LY.block_cost_model(table, True), LY.block_cost_model(table, False)
     assert apart(0, 5000) == pytest.approx(1.0) and together(0, 5000) == pytest.approx(1.0)
     assert apart(5, 64) == pytest.approx(16 / 11) == together(5, 64)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import layouts as LY
+from engine import timing_cache as TC
 from engine import linear_forms as LF
 from engine import weights as WT
 from engine.files import ROOT
@@ -18,8 +19,8 @@ from tokenizer import load_tokenizer
 def a_new_process(monkeypatch):
     """Each test starts as a new process does: no decision of this process's, nothing set aside."""
     monkeypatch.setattr(LY, "CHOSEN", {})
-    monkeypatch.setattr(LY, "FORGOTTEN", set())
-    monkeypatch.setattr(LY, "NOTED", set())
+    monkeypatch.setattr(TC, "FORGOTTEN", set())
+    monkeypatch.setattr(TC, "NOTED", set())
 
 
 @pytest.fixture
@@ -70,7 +71,7 @@ def test_auto_chooses_one_layout_on_probes_and_keeps_it(six_layers, tmp_path, mo
     decision and its block table are kept in a cache folder made when missing and read back. The
     choice stands for the model on this machine at any thread count; block costs are per count."""
     cache = tmp_path / "not-yet" / "layouts.json"
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", cache)
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     timed, built = [], counting_builds(monkeypatch)
     # float32 has the fastest one-token step; float32-packed the cheapest blocks: one-token steps decide
@@ -84,9 +85,9 @@ def test_auto_chooses_one_layout_on_probes_and_keeps_it(six_layers, tmp_path, mo
     assert "int4" not in candidates  # its weights are not 4-bit at their source
     assert {n for _, _, n in timed} == {0, LY.PROBE_LAYERS}  # head alone, and head + probe layers
     kept = json.loads(cache.read_text())
-    entry = kept[LY.cache_key(six_layers, "layout", threads=False)]
-    blocks = kept[LY.cache_key(six_layers, "blocks float32")]
-    assert entry["layout"] == "float32" and set(blocks["blocks_ms"]) == {str(b) for b in LY.BLOCKS}
+    entry = kept[TC.cache_key(six_layers, "layout", threads=False)]
+    blocks = kept[TC.cache_key(six_layers, "blocks float32")]
+    assert entry["layout"] == "float32" and set(blocks["blocks_ms"]) == {str(b) for b in TC.BLOCKS}
     # estimated whole-model forward = head + n_layer * one layer
     assert entry["ms"]["float32"] == pytest.approx(7 * 1.0, rel=1e-3)
     LY.CHOSEN.clear()  # (a new process)
@@ -109,7 +110,7 @@ def test_where_the_fastest_layout_drafts_inexactly_the_default_decodes_plainly(s
     speculation in it would part from plain decoding: auto still runs it (every run of the model
     does), the choice says so, and decode.py's default then decodes plainly, saying why."""
     import decode
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "layouts.json")
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", tmp_path / "layouts.json")
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     fake_timing(monkeypatch, {"bfloat16-packed": 0.5, "bfloat16": 1.0, "float32-packed": 2.0}, [])
     monkeypatch.setattr(LY, "blocks_match_steps", lambda target, block, trials=3, step=None: LY.layout_of(target) != "bfloat16-packed")
@@ -139,13 +140,13 @@ def test_the_layout_cache_holds_only_whole_quiet_decisions(six_layers, tmp_path,
     """A damaged cache is measured again (named where it cannot be read or kept, and the run goes
     on)."""
     cache = tmp_path / "layouts.json"
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", cache)
     quiet = [True]
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: quiet[0])
     timed = []
     fake_timing(monkeypatch, {"float32": 1.0}, timed)
     LY.choose_layout(six_layers)
-    key = LY.cache_key(six_layers, "layout", threads=False)
+    key = TC.cache_key(six_layers, "layout", threads=False)
     entry = json.loads(cache.read_text())[key]
     timed.clear(), LY.CHOSEN.clear()
     if damage == "not json":
@@ -155,14 +156,14 @@ def test_the_layout_cache_holds_only_whole_quiet_decisions(six_layers, tmp_path,
     elif damage == "layout not timed":  # its chosen layout absent from its own timings
         cache.write_text(json.dumps({key: {**entry, "ms": {"bfloat16": 1.0}}}))
     elif damage == "block 1.5":
-        blocks_key = LY.cache_key(six_layers, "blocks float32")
+        blocks_key = TC.cache_key(six_layers, "blocks float32")
         blocks = json.loads(cache.read_text())[blocks_key]
         cache.write_text(json.dumps({blocks_key: {**blocks, "blocks_ms": {**blocks["blocks_ms"], "1.5": 1.0}}}))
     elif damage == "a directory":
         cache.unlink()
         cache.mkdir()
     elif damage == "unwritable":
-        monkeypatch.setattr(LY, "write_atomically", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+        monkeypatch.setattr(TC, "write_atomically", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
         cache.unlink()
     capsys.readouterr()
     assert LY.choose_layout(six_layers)["layout"] == "float32" and timed
@@ -172,9 +173,9 @@ def test_the_layout_cache_holds_only_whole_quiet_decisions(six_layers, tmp_path,
     if damage in ("a directory", "unwritable"):
         assert "could not be written" in err and "used for this run only" in err
     if damage in ("no ms", "layout not timed"):  # measured again, kept whole
-        assert LY.impossible_choice(json.loads(cache.read_text())[key], LY.layout_candidates(six_layers)) is None
+        assert TC.impossible_choice(json.loads(cache.read_text())[key], LY.layout_candidates(six_layers)) is None
     if damage == "block 1.5":
-        assert LY.impossible_blocks(json.loads(cache.read_text())[LY.cache_key(six_layers, "blocks float32")]) is None
+        assert TC.impossible_blocks(json.loads(cache.read_text())[TC.cache_key(six_layers, "blocks float32")]) is None
 
 
 def test_timings_that_disagree_between_repeats_are_not_kept(six_layers, tmp_path, monkeypatch, capsys):
@@ -182,7 +183,7 @@ def test_timings_that_disagree_between_repeats_are_not_kept(six_layers, tmp_path
     the machine was disturbed between them, and the timing is neither kept nor used: the fixed
     order decides, as it does for every run that has no trusted timing."""
     cache = tmp_path / "layouts.json"
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", cache)
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)  # (bursts between the quiet checks)
     monkeypatch.setattr(LY, "blocks_match_steps", lambda target, block, trials=3, step=None: True)
     timed = []
@@ -197,7 +198,7 @@ def test_timings_that_disagree_between_repeats_are_not_kept(six_layers, tmp_path
     choice = LY.choose_layout(six_layers)
     assert choice["layout"] == [x for x in LY.FIXED_ORDER if x in LY.layout_candidates(six_layers)][0]
     assert choice["ms"] == {} and "timed twice disagreed" in choice["fixed"]
-    assert LY.cache_key(six_layers, "layout", threads=False) not in LY.read_cache()
+    assert TC.cache_key(six_layers, "layout", threads=False) not in TC.read_cache()
     assert "fixed order" in capsys.readouterr().err
 
 
@@ -207,17 +208,17 @@ def test_a_kept_timing_that_a_run_outpaces_is_timed_again(six_layers, tmp_path, 
     quiet start times the layouts again; --retime (forget_timings) drops them on demand. A run
     about as fast as the kept timing leaves it alone."""
     cache = tmp_path / "layouts.json"
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", cache)
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     timed = []
     fake_timing(monkeypatch, {"float32": 20.0, "float32-packed": 40.0, "bfloat16-packed": 40.0, "bfloat16": 40.0},
                 timed)
     kept = LY.choose_layout(six_layers)
     step = kept["blocks_ms"]["1"]
-    keys = LY.cache_key(six_layers, "layout", threads=False), LY.cache_key(six_layers, "blocks float32")
-    assert not LY.recheck_kept_timing(six_layers, "float32", True, step / 1.2, 64)  # within the margin
+    keys = TC.cache_key(six_layers, "layout", threads=False), TC.cache_key(six_layers, "blocks float32")
+    assert not TC.recheck_kept_timing(six_layers, "float32", True, step / 1.2, 64)  # within the margin
     assert not any("stale" in json.loads(cache.read_text())[key] for key in keys)
-    assert LY.recheck_kept_timing(six_layers, "float32", True, step / 3, 64)
+    assert TC.recheck_kept_timing(six_layers, "float32", True, step / 3, 64)
     assert all("stale" in json.loads(cache.read_text())[key] for key in keys)
     timed.clear(), LY.CHOSEN.clear()
     LY.choose_layout(six_layers)
@@ -236,11 +237,11 @@ def test_a_cache_that_is_a_link_is_written_through_it(six_layers, tmp_path, monk
     shared.write_text("{}")
     link = tmp_path / "layouts.json"
     link.symlink_to(shared)
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", link)
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", link)
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     fake_timing(monkeypatch, {"float32": 1.0}, [])
     LY.choose_layout(six_layers)
-    assert link.is_symlink() and json.loads(shared.read_text())[LY.cache_key(six_layers, "layout", threads=False)]
+    assert link.is_symlink() and json.loads(shared.read_text())[TC.cache_key(six_layers, "layout", threads=False)]
 
 
 def test_the_probe_estimates_a_whole_forward(six_layers, monkeypatch):
@@ -352,19 +353,19 @@ def test_kept_decisions_key_on_the_step_code_not_its_text(tmp_path, monkeypatch)
     copy = tmp_path / "model.py"
     monkeypatch.setattr(M, "__file__", str(copy))
     copy.write_text(source)
-    before = LY.step_code_digest()
+    before = TC.step_code_digest()
     copy.write_text(source.replace('"""\nThe target model', '"""\nA forker\'s note.\nThe target model', 1)
                     .replace("import math\n", "import math  # a new comment\n", 1))
-    assert copy.read_text() != source and LY.step_code_digest() == before
+    assert copy.read_text() != source and TC.step_code_digest() == before
     copy.write_text(source.replace("return self.norm(x), [hidden[i] for i in hidden_layers]",
                                    "return self.norm(x * 1), [hidden[i] for i in hidden_layers]", 1))
-    assert copy.read_text() != source and LY.step_code_digest() != before
+    assert copy.read_text() != source and TC.step_code_digest() != before
 
 
 def test_a_layouts_blocks_are_timed_once_whoever_asks_first(six_layers, tmp_path, monkeypatch):
     """A layout's block table is kept once: auto's choice of it and a run that names it read the
     same entry, whichever timed it first."""
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "layouts.json")
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", tmp_path / "layouts.json")
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     timed = []
     fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
@@ -374,7 +375,7 @@ def test_a_layouts_blocks_are_timed_once_whoever_asks_first(six_layers, tmp_path
     LY.forget_timings(six_layers)
     table = LY.block_table(six_layers, "float32")
     timed.clear()
-    LY.FORGOTTEN.clear()  # (a new process)
+    TC.FORGOTTEN.clear()  # (a new process)
     assert LY.choose_layout(six_layers)["blocks_ms"] == table["blocks_ms"]
     assert {block for _, block, _ in timed} == {1}  # the candidates' one-token steps only
 
@@ -394,7 +395,7 @@ def test_a_busy_machine_runs_the_kept_choice_or_the_fixed_order(six_layers, tmp_
     on a busy machine steer that run only."""
     import random
     cache = tmp_path / "layouts.json"
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", cache)
     quiet = [False]
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: quiet[0])
     timed = []
@@ -406,7 +407,7 @@ def test_a_busy_machine_runs_the_kept_choice_or_the_fixed_order(six_layers, tmp_
         LY.CHOSEN.clear()
         choice = LY.choose_layout(six_layers)
         assert choice["layout"] == fixed and choice["ms"] == {} and "busy" in choice["fixed"]
-        assert {block for _, block, _ in timed} == set(LY.BLOCKS)  # (its block costs only, for this run)
+        assert {block for _, block, _ in timed} == set(TC.BLOCKS)  # (its block costs only, for this run)
         assert not cache.exists()
         timed.clear()
     assert "fixed order" in capsys.readouterr().err
@@ -416,7 +417,7 @@ def test_a_busy_machine_runs_the_kept_choice_or_the_fixed_order(six_layers, tmp_
     assert LY.choose_layout(six_layers)["layout"] == "float32"
     quiet[0] = False
     fake_timing(monkeypatch, {"float32": 9.0, "float32-packed": 1.0}, timed)  # (a quiet run would now say packed)
-    LY.recheck_kept_timing(six_layers, "float32", True, 0.01, 64)  # stale
+    TC.recheck_kept_timing(six_layers, "float32", True, 0.01, 64)  # stale
     timed.clear(), LY.CHOSEN.clear()
     assert LY.choose_layout(six_layers)["layout"] == "float32" and not timed
     assert "the kept choice (float32) stands" in capsys.readouterr().err
@@ -426,7 +427,7 @@ def kept_float32_choice(six_layers, tmp_path, monkeypatch) -> tuple:
     """A quiet machine's kept choice of float32 (the fastest of the fake timings) in a fresh cache:
     (the cache, the list of what is timed from here on)."""
     cache = tmp_path / "layouts.json"
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", cache)
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     timed = []
     fake_timing(monkeypatch, {"float32": 1.0, "float32-packed": 2.0}, timed)
@@ -437,7 +438,7 @@ def kept_float32_choice(six_layers, tmp_path, monkeypatch) -> tuple:
 CANDIDATES = ["float32-packed", "float32", "bfloat16-packed", "bfloat16"]
 POSSIBLE_CHOICE = {"layout": "float32", "ms": {"float32": 7.0, "float32-packed": 14.0, "bfloat16-packed": 9.0,
                                               "bfloat16": 8.0}, "inexact": [], "threads": 2}
-POSSIBLE_BLOCKS = {"blocks_ms": {str(b): 7.0 * b ** 0.5 for b in LY.BLOCKS}, "attention_ms_per_key": 0.004}
+POSSIBLE_BLOCKS = {"blocks_ms": {str(b): 7.0 * b ** 0.5 for b in TC.BLOCKS}, "attention_ms_per_key": 0.004}
 ONE = POSSIBLE_BLOCKS["blocks_ms"]["1"]
 IMPOSSIBLE = {  # rule broken: (which entry, the change)
     "a block of 2 dearer than one of 3": ("blocks", {"blocks_ms": {**POSSIBLE_BLOCKS["blocks_ms"], "2": 2.05 * ONE,
@@ -457,13 +458,13 @@ def test_costs_no_forward_could_give_are_named(rule):
     """Costs must be possible: a block of n+1 no cheaper than a block of n, none cheaper than a
     one-token step nor dearer than a step a token, a finite bounded attention cost, a layout this
     CPU times and the fastest of those it was timed against."""
-    assert LY.impossible_blocks(POSSIBLE_BLOCKS) is None
-    assert LY.impossible_choice(POSSIBLE_CHOICE, CANDIDATES) is None
+    assert TC.impossible_blocks(POSSIBLE_BLOCKS) is None
+    assert TC.impossible_choice(POSSIBLE_CHOICE, CANDIDATES) is None
     which, change = IMPOSSIBLE[rule]
     if which == "blocks":
-        assert LY.impossible_blocks({**POSSIBLE_BLOCKS, **change})
+        assert TC.impossible_blocks({**POSSIBLE_BLOCKS, **change})
     else:
-        assert LY.impossible_choice({**POSSIBLE_CHOICE, **change}, CANDIDATES)
+        assert TC.impossible_choice({**POSSIBLE_CHOICE, **change}, CANDIDATES)
 
 
 @pytest.mark.parametrize("rule", ["a block of 2 dearer than one of 3", "float16, never a CPU candidate"])
@@ -472,8 +473,8 @@ def test_a_kept_timing_that_cannot_be_true_is_timed_again(six_layers, tmp_path, 
     never used as it is."""
     cache, timed = kept_float32_choice(six_layers, tmp_path, monkeypatch)
     kept = json.loads(cache.read_text())
-    keys = {"choice": LY.cache_key(six_layers, "layout", threads=False),
-            "blocks": LY.cache_key(six_layers, "blocks float32")}
+    keys = {"choice": TC.cache_key(six_layers, "layout", threads=False),
+            "blocks": TC.cache_key(six_layers, "blocks float32")}
     blocks = kept[keys["blocks"]]
     which, change = IMPOSSIBLE[rule]
     kept[keys[which]] = {**kept[keys[which]], **change}
@@ -484,8 +485,8 @@ def test_a_kept_timing_that_cannot_be_true_is_timed_again(six_layers, tmp_path, 
     assert timed and "cannot be a timing" in capsys.readouterr().err
     assert again["layout"] == "float32" and again["blocks_ms"] == blocks["blocks_ms"]  # (the fake timing's table)
     kept = json.loads(cache.read_text())
-    assert LY.impossible_choice(kept[keys["choice"]], LY.layout_candidates(six_layers)) is None
-    assert LY.impossible_blocks(kept[keys["blocks"]]) is None
+    assert TC.impossible_choice(kept[keys["choice"]], LY.layout_candidates(six_layers)) is None
+    assert TC.impossible_blocks(kept[keys["blocks"]]) is None
 
 
 def test_block_costs_stay_possible_whatever_a_busy_timing_said():
@@ -500,7 +501,7 @@ def test_retime_with_a_cache_it_cannot_write_still_times_again(six_layers, tmp_p
     """decode.py --retime drops the model's kept timings; where the cache cannot be rewritten the
     run says so and still does not use them."""
     cache, timed = kept_float32_choice(six_layers, tmp_path, monkeypatch)
-    monkeypatch.setattr(LY, "write_atomically", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    monkeypatch.setattr(TC, "write_atomically", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
     capsys.readouterr()
     assert LY.forget_timings(six_layers) == 2
     assert "could not be written" in capsys.readouterr().err
@@ -519,7 +520,7 @@ def test_layouts_chosen_beside_busy_processes_are_the_same_every_run(six_layers,
     import subprocess
     import sys
     import decode
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "layouts.json")
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", tmp_path / "layouts.json")
     real = LY.step_seconds  # (real timings, short: here their values only steer the block lengths)
     monkeypatch.setattr(LY, "step_seconds", lambda target, block, seconds=0.3, **k: real(target, block, 0.0, **k))
 
@@ -546,17 +547,17 @@ def test_layouts_chosen_beside_busy_processes_are_the_same_every_run(six_layers,
 def test_a_fresh_timing_that_cannot_be_true_is_measured_once_more(six_layers, tmp_path, monkeypatch, capsys):
     """A quiet machine's passing disturbance can still give a table no forward could (a block of 1
     dearer than one of 3): it is measured again at once, and kept only once it is possible."""
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "layouts.json")
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", tmp_path / "layouts.json")
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
-    good = {"blocks_ms": {str(b): 10.0 + b for b in LY.BLOCKS}, "attention_ms_per_key": 0.001}
+    good = {"blocks_ms": {str(b): 10.0 + b for b in TC.BLOCKS}, "attention_ms_per_key": 0.001}
     bad = {"blocks_ms": {**good["blocks_ms"], "1": 27.7, "3": 18.6}, "attention_ms_per_key": 0.001}
     tables = [bad, good]
     monkeypatch.setattr(LY, "measure_blocks", lambda *a: (tables.pop(0), True))
     assert LY.block_table(six_layers, "float32")["blocks_ms"] == good["blocks_ms"] and not tables
-    assert LY.impossible_blocks(LY.read_cache()[LY.cache_key(six_layers, "blocks float32")]) is None
+    assert TC.impossible_blocks(TC.read_cache()[TC.cache_key(six_layers, "blocks float32")]) is None
     LY.CHOSEN.clear()
     tables += [bad, bad]  # never possible: used for this run, clamped, and not kept
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", tmp_path / "other.json")
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", tmp_path / "other.json")
     assert LY.block_table(six_layers, "float32")["blocks_ms"] == bad["blocks_ms"] and not tables
     assert "not possible" in capsys.readouterr().err and not (tmp_path / "other.json").exists()
 
@@ -566,7 +567,7 @@ def test_notes_on_a_cut_or_unwritable_cache_are_said_once_and_say_what_happened(
     """A cut layouts.json is named once however often the run reads it; a stale mark that cannot be
     written says so, not that a choice was made for this run only."""
     cache = tmp_path / "layouts.json"
-    monkeypatch.setattr(LY, "LAYOUT_CACHE", cache)
+    monkeypatch.setattr(TC, "LAYOUT_CACHE", cache)
     monkeypatch.setattr(LY, "machine_is_quiet", lambda: True)
     fake_timing(monkeypatch, {"float32": 20.0, "float32-packed": 40.0, "bfloat16-packed": 40.0, "bfloat16": 40.0}, [])
     LY.choose_layout(six_layers)
@@ -576,7 +577,7 @@ def test_notes_on_a_cut_or_unwritable_cache_are_said_once_and_say_what_happened(
     LY.CHOSEN.clear()
     LY.choose_layout(six_layers)
     assert capsys.readouterr().err.count("is unreadable") == 1
-    monkeypatch.setattr(LY, "write_atomically", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
-    assert LY.recheck_kept_timing(six_layers, "float32", True, 0.01, 64)
+    monkeypatch.setattr(TC, "write_atomically", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    assert TC.recheck_kept_timing(six_layers, "float32", True, 0.01, 64)
     err = capsys.readouterr().err
     assert "could not be marked to be timed again" in err and "for this run only" not in err
