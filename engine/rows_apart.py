@@ -33,33 +33,23 @@ class RowsApartAttention(M.Attention):
         kv_len = mask.shape[-1]
         if self.whole_cache:
             rows = [self.mix(q[:, :, t:t + 1], k[:, :, :kv_len], v[:, :, :kv_len], mask[t:t + 1]) for t in range(T)]
-        elif self.is_chain(mask):
+        elif (moves := block_moves(mask)) is None:
             every = mask.new_ones(1, kv_len)  # (1, kv_len): row t sees the slots up to its own, as its step
             # row t's key count (a list: a range over a graph's key count would fix that count)
             seen = [kv_len - T + 1 + t for t in range(T)]
             rows = [self.mix(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], every[:, :n]) for t, n in enumerate(seen)]
         else:
-            rows = self.tree_rows(q, k, v, mask)
+            rows = self.tree_rows(q, k, v, mask, moves)
         return self.o_proj(torch.cat(rows, 2).transpose(1, 2).flatten(2).to(x.dtype))  # rows: (B, heads, 1, head_dim)
 
-    @staticmethod
-    def is_chain(mask) -> bool:
-        """Whether a block's rows see the block causally (a chain) rather than a tree's paths, read
-        off the mask; a compiled graph verifies chains only (engine/compiled.py), so it is one."""
-        if torch.compiler.is_compiling():
-            return True
-        T = mask.shape[0]
-        block = mask[:, mask.shape[1] - T:]  # (T, T): which block rows each row sees
-        return bool(torch.equal(block, torch.ones_like(block).tril()))
-
-    def tree_rows(self, q, k, v, mask):
+    def tree_rows(self, q, k, v, mask, moves: list):
         """Each row of a tree over the cache and its own path, moved into a chain's slots first."""
         T, kv_len = mask.shape
         first = kv_len - T
         block_k, block_v = k[:, :, first:kv_len].clone(), v[:, :, first:kv_len].clone()  # (B, kv_heads, T, head_dim)
         every = mask.new_ones(1, kv_len)
         rows = []
-        for t, (start, path) in enumerate(tree_moves(mask[:, first:].tolist())):
+        for t, (start, path) in enumerate(moves):
             if start is not None:
                 k[:, :, first + start:first + len(path)] = block_k[:, :, path[start:]]
                 v[:, :, first + start:first + len(path)] = block_v[:, :, path[start:]]
@@ -67,6 +57,25 @@ class RowsApartAttention(M.Attention):
                 n = first + len(path)
                 rows.append(self.mix(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], every[:, :n]))
         return rows
+
+
+# The last block's mask and its moves: every layer of a forward attends through the same mask, so
+# its moves are worked out (a host read of the mask) once a forward, not once a layer.
+LAST_BLOCK = {"mask": None, "moves": None}
+
+
+def block_moves(mask):
+    """None where a block's rows see the block causally (a chain), else a tree's moves
+    (tree_moves), read off the mask (T, kv_len); a compiled graph verifies chains only
+    (engine/compiled.py), so there it is a chain."""
+    if torch.compiler.is_compiling():
+        return None
+    if mask is not LAST_BLOCK["mask"]:
+        T = mask.shape[0]
+        block = mask[:, mask.shape[1] - T:]  # (T, T): which block rows each row sees
+        chain = torch.equal(block, torch.ones_like(block).tril())
+        LAST_BLOCK.update(mask=mask, moves=None if chain else tree_moves(block.tolist()))
+    return LAST_BLOCK["moves"]
 
 
 def tree_moves(block_seen: list) -> list:
