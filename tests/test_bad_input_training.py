@@ -4,6 +4,8 @@ non-finite is saved."""
 import json
 
 import pytest
+
+from harness import learning_curves as LC
 import torch
 
 from data import corpus as C
@@ -91,7 +93,7 @@ def test_learning_curves_name_a_log_that_is_not_one(tmp_path, line):
     (run / "checkpoint").mkdir(parents=True)
     (run / "log.jsonl").write_text(line + "\n")
     with pytest.raises(ValueError, match="line 1 is not a training step's statistics"):
-        TV.learning_curves([run])
+        LC.learning_curves([run])
 
 
 def test_sequences_whose_response_lies_past_seq_len_are_skipped_or_refused(capsys):

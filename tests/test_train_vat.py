@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from harness import learning_curves as LC
+
 import serving_layouts as SL
 import torch
 from conftest import dflash_net, eagle3_net, tiny_chat_target
@@ -253,7 +255,7 @@ def test_train_vat_end_to_end_and_resume(tmp_path, kind):
     config = json.loads(written.read_text())
     config.update(objective="baseline", vat_parts=list(TV.VAT_PARTS))
     written.write_text(json.dumps(config))
-    assert TV.learning_curves([tmp_path / "run"])["run"]["vat_parts"] == []
+    assert LC.learning_curves([tmp_path / "run"])["run"]["vat_parts"] == []
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
