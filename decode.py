@@ -17,7 +17,7 @@ import torch
 
 import model as M
 from engine.checkpoints import CONFIDENCE_EXIT_DEFAULT, DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
-from engine.compiled import COMPILED_K, cache_slots, compile_target
+from engine.compiled import COMPILED_K, cache_slots, compile_target, start_compiler
 from engine.files import os_error_text, repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, run_block_costs,
                             target_layout)
@@ -277,7 +277,9 @@ def exact_draft(args, target, choice: dict, draft, compiled=None):
     --adaptive its length chosen each step by what its blocks cost."""
     if draft is None:
         return None
-    if not drafting_is_exact(target, choice, args.num_draft_tokens + 1, compiled):
+    def exact():
+        return drafting_is_exact(target, choice, args.num_draft_tokens + 1, compiled)
+    if not (compiled.kept_check("blocks give the bits of steps", exact) if compiled is not None else exact()):
         remedy = "--compile off" if compiled is not None else "--dtype float32"
         print(f"note: on this CPU {layout_of(target)} blocks do not give the bits of one-token steps, so drafting "
               "changes the output" + (": decoding plainly" if args.default_draft else "") +
@@ -308,12 +310,14 @@ def main(argv=None):
     # the cache holds what this run can reach, not all of --max-seq-len
     reach = max(len(ids) for ids in encoded) + args.max_new_tokens + max(args.num_draft_tokens, args.tree) + 1
     slots = cache_slots(reach, context) if compiled else min(context, reach)
+    compiler = start_compiler() if compiled and args.device == "cpu" else None  # (while the weights load)
     target, _, choice = load_target(str(path), args.device, layout, slots)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     print(f"[{layout_reason(target, choice)}]", file=sys.stderr)
     draft = run_draft(args, target, choice, tokenizer, generator)
     block = args.num_draft_tokens + 1 if draft else 1
-    step_fn = compile_target(target, block, draft.target_layers if draft else (), args.device) if compiled else None
+    step_fn = compile_target(target, block, draft.target_layers if draft else (), args.device,
+                             compiler) if compiled else None
     draft = exact_draft(args, target, choice, draft, step_fn)
     results = decode_prompts(args, encoded, target, tokenizer, draft, verifier, generator, step_fn)
     if args.device == "cpu" and not compiled:  # (a compiled step is faster than the eager one timed)

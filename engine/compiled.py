@@ -7,27 +7,30 @@ it: their keys land in cache slots past the block, which no real row reads and t
 overwrites. Every row attends apart (engine/rows_apart.py), through the kernel a
 one-token step uses on the keys that step would see, so a block gives the bits of the steps it
 stands for wherever its matmuls do too (checked, not assumed: engine.layouts.blocks_match_steps).
-On a CPU a graph attends only the visible keys, their count a number of the graph (one graph for
-every context); on CUDA it attends the whole static cache through a mask, fixed shapes that
-mode "reduce-overhead" captures as CUDA graphs. Prompts (longer than a block) and trees run the
-eager forward; the cache must hold block_len slots from a block's first position (generate
-sizes it so).
+On a CPU a graph attends only the visible keys, their count a dynamic size (one graph for every
+context), and is compiled ahead of its first call and kept on disk (engine/graph_cache.py), so a
+second run loads it instead of tracing the model again. On CUDA it attends the whole static cache
+through a mask, fixed shapes that mode "reduce-overhead" captures as CUDA graphs, compiled at its
+first call. Prompts (longer than a block) and trees run the eager forward; the cache must hold
+block_len slots from a block's first position (generate sizes it so).
 """
+import importlib
 import sys
+import threading
 import time
 
 import torch
 
 import model as M
+from engine import linear_forms, rows_apart
+from engine.graph_cache import GRAPH_CACHE, compiled_graph, graph_key, kept_verdict
 from engine.machine import unpack
 from engine.rows_apart import attend_rows_apart
 
-# inductor on a CPU: weights frozen as constants (it packs them itself), the kernels called from
-# C++ rather than Python, and bf16 rounded wherever eager code rounds it. No guards on the modules'
-# tensors (checking hundreds of them is a large part of a small step): a CompiledTarget drops
-# every earlier graph, and nothing changes its target's modules while it runs
-CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True, "emulate_precision_casts": True,
-               "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+# inductor on a CPU: the kernels called from C++ rather than Python, and bf16 rounded wherever
+# eager code rounds it. (Not "freezing": a frozen graph holds the weights as constants and cannot
+# be kept on disk apart from them.)
+CPU_OPTIONS = {"cpp_wrapper": True, "emulate_precision_casts": True}
 
 
 CACHE_BUCKET = 512
@@ -36,11 +39,29 @@ CACHE_BUCKET = 512
 COMPILED_K = 3
 
 
+GRAPH_CODE = (M, linear_forms, rows_apart, sys.modules[__name__])  # the code a graph is traced from
+
+
 def cache_slots(reach: int, context: int) -> int:
     """The KV cache a compiled run allocates for `reach` positions: rounded up to a multiple of
     CACHE_BUCKET (at most the model's context), so that runs of other prompt and answer lengths
     meet the same graphs, compiled once and then read from inductor's cache on disk."""
     return min(context, -(-reach // CACHE_BUCKET) * CACHE_BUCKET)
+
+
+def visible_decoder(target, tokens, input_pos, visible, hidden_layers):
+    """target.decoder for a chain block or a step on a CPU, attending the visible keys only, each
+    row its own: their count is the length of `visible`, a slice marked dynamic (one graph for
+    every context), where an int argument would make every int of the graph dynamic."""
+    mask = M.attention_mask(input_pos, visible.shape[0])  # (T, visible keys)
+    return target.trunk(tokens, input_pos, input_pos, mask, hidden_layers)
+
+
+def whole_cache_decoder(target, tokens, input_pos, hidden_layers):
+    """target.decoder attending every cache slot through its mask: shapes that never change,
+    which CUDA graphs capture."""
+    mask = M.attention_mask(input_pos, target.max_seq_len)  # (T, max_seq_len)
+    return target.trunk(tokens, input_pos, input_pos, mask, hidden_layers)
 
 
 class CompiledTarget:
@@ -56,82 +77,85 @@ class CompiledTarget:
         attend_rows_apart(target, whole_cache=not cpu)
         self.target, self.block_len, self.cpu = target, block_len, cpu
         self.hidden_layers = tuple(hidden_layers)
-        self.compile_seconds = {}  # {graph: seconds its first call took}, as compile_target fills it
+        self.compile_seconds = {}  # {graph: seconds it took to compile or load}, as compile_target fills it
+        self.graph_keys = []  # the kept graphs' keys (a CPU's)
         self.max_seq_len = target.max_seq_len
         self.embed_tokens = target.embed_tokens  # (generate reads the device from it)
         # the output head stays out of the graphs, as it is: on a CPU the engine's packed head is
         # faster than what inductor makes of it, and a block's padded rows need no logits
         if cpu:
-            unpack(target.layers)  # (inductor cannot read oneDNN's blocked weights; freezing packs them)
+            unpack(target.layers)  # (inductor reads plain weights, not oneDNN's blocked ones)
             self.slots = torch.arange(target.max_seq_len)  # (a slice of it carries a graph's key count)
-            self.step_graph, self.block_graph = (torch.compile(f, fullgraph=True, options=CPU_OPTIONS)
-                                                 for f in (self.visible_step, self.visible_block))
+            self.step_graph = self.block_graph = None  # (prepared by prepare_graphs)
         else:
-            self.step_graph = self.block_graph = torch.compile(self.whole_cache_decoder, dynamic=False,
-                                                               fullgraph=True, mode=mode)
+            self.step_graph = self.block_graph = torch.compile(whole_cache_decoder, dynamic=False, fullgraph=True,
+                                                               mode=mode)
         self.copy_outputs = not cpu and mode == "reduce-overhead"  # a CUDA graph reuses its outputs
-
-    def visible_step(self, tokens, input_pos, visible):
-        return self.visible_decoder(tokens, input_pos, visible.shape[0])
-
-    def visible_block(self, tokens, input_pos, visible):  # (its own function: its own graph, never the step's)
-        return self.visible_decoder(tokens, input_pos, visible.shape[0])
-
-    def visible_decoder(self, tokens, input_pos, kv_len):
-        """target.decoder for a chain block or a step on a CPU, attending the kv_len visible keys
-        only, each row its own: kv_len is the length of a slice marked dynamic (one graph for
-        every context), where an int argument would make every int of the graph dynamic."""
-        mask = M.attention_mask(input_pos, kv_len)  # (T, kv_len)
-        return self.target.trunk(tokens, input_pos, input_pos, mask, self.hidden_layers)
-
-    def whole_cache_decoder(self, tokens, input_pos):
-        """target.decoder attending every cache slot through its mask: shapes that never change,
-        which CUDA graphs capture."""
-        mask = M.attention_mask(input_pos, self.max_seq_len)  # (T, max_seq_len)
-        return self.target.trunk(tokens, input_pos, input_pos, mask, self.hidden_layers)
 
     def __call__(self, tokens, input_pos, hidden_layers=(), last_logits_only=False, key_valid=None,
                  tree_parents=None):
-        T = tokens.shape[1]
-        if T > self.block_len or key_valid is not None or tree_parents is not None or \
-                not set(hidden_layers) <= set(self.hidden_layers) or \
-                self.cpu and T > 1 and int(input_pos[0]) + self.block_len > self.max_seq_len:
+        B, T = tokens.shape
+        if B != 1 or T > self.block_len or key_valid is not None or tree_parents is not None or \
+                not set(hidden_layers) <= set(self.hidden_layers) or self.cpu and \
+                (int(input_pos[-1]) < 1 or T > 1 and int(input_pos[0]) + self.block_len > self.max_seq_len):
             return self.target(tokens, input_pos, hidden_layers, last_logits_only, key_valid, tree_parents)
         if 1 < T < self.block_len:
             # padded rows, at the positions after the block (CUDA: generate sizes the cache to hold them)
             pad = self.block_len - T
             pad_pos = input_pos[-1] + torch.arange(1, pad + 1, device=input_pos.device)  # (pad,)
-            tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], 1)  # (B, block_len)
+            tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], 1)  # (1, block_len)
             input_pos = torch.cat([input_pos, pad_pos])
-        # (copied: the graphs are specialized to their inputs' strides as well as their shapes, and
-        # a slice of one row is "contiguous" with its parent's strides)
+        # (copied: a graph is specialized to its inputs' strides as well as their shapes, and a
+        # slice of one row is "contiguous" with its parent's strides)
         tokens, input_pos = tokens.clone(memory_format=torch.contiguous_format), input_pos.contiguous()
         graph = self.step_graph if T == 1 else self.block_graph
-        if self.cpu:
+        if self.cpu:  # (a kept graph checks no guards: one row, a visible key count of 2 or more)
             visible = self.slots[:int(input_pos[-1]) + 1]
-            torch._dynamo.maybe_mark_dynamic(visible, 0)  # (guards may bound it: a context past them, another graph)
-            x, hidden = graph(tokens, input_pos, visible)  # x: (B, 1 or block_len, dim)
+            x, hidden = graph(self.target, tokens, input_pos, visible, self.hidden_layers)  # x: (1, 1 or block_len, dim)
         else:
-            x, hidden = graph(tokens, input_pos)
+            x, hidden = graph(self.target, tokens, input_pos, self.hidden_layers)
         if self.copy_outputs:
             x, hidden = x.clone(), [h.clone() for h in hidden]
         x = x[:, T - 1:T] if last_logits_only else x[:, :T]
         return self.target.lm_head(x), [hidden[self.hidden_layers.index(i)][:, :T] for i in hidden_layers]
 
-    def warm_up(self):
-        """(what, compile) for each graph: compile() runs it once and returns the seconds it took.
-        They write cache slots from 2 on (a key count of 0 or 1 would be compiled as a constant),
-        which the next prompt's prefill and steps rewrite."""
-        device = self.embed_tokens.weight.device
+    def graphs(self):
+        """(what, prepare) for each graph: prepare() loads it from the graph cache or compiles it
+        (on CUDA: runs it once, which compiles it) and returns (seconds, loaded). Examples write
+        cache slots from 2 on (a key count of 0 or 1 would be compiled as a constant), which the
+        next prompt's prefill and steps rewrite."""
         shapes = [("one-token step", 1)] + ([(f"verification block of {self.block_len}", self.block_len)]
                                            if self.block_len > 1 else [])
         for what, T in shapes:
-            def compile(T=T):
+            def prepare(what=what, T=T):
                 t0 = time.perf_counter()
-                with torch.inference_mode():
-                    self(torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(2, 2 + T, device=device))
-                return time.perf_counter() - t0
-            yield what, compile
+                device = self.embed_tokens.weight.device
+                tokens, input_pos = torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(2, 2 + T, device=device)
+                if not self.cpu:
+                    with torch.inference_mode():
+                        self(tokens, input_pos)
+                    return time.perf_counter() - t0, False
+                visible = self.slots[:2 + T]
+                torch._dynamo.mark_dynamic(visible, 0)
+                key = graph_key(self.target, f"{what}, hidden layers {self.hidden_layers}", GRAPH_CODE)
+                self.graph_keys.append(key)
+                graph, loaded = compiled_graph(visible_decoder, (self.target, tokens, input_pos, visible,
+                                                                 self.hidden_layers), key, CPU_OPTIONS)
+                if T == 1:
+                    self.step_graph = graph
+                else:
+                    self.block_graph = graph
+                return time.perf_counter() - t0, loaded
+            yield what, prepare
+
+    def kept_check(self, what: str, check) -> bool:
+        """check() (what: its name) of this run's graphs at this thread count, kept beside them: a
+        kept graph runs the same kernels in every run on this CPU, whatever the weights' values, so
+        what a check found holds for the next run too (on CUDA, checked in every run)."""
+        if not self.graph_keys:
+            return check()
+        return kept_verdict(graph_key(self.target, f"{what}, {torch.get_num_threads()} threads, "
+                                      f"{' '.join(self.graph_keys)}", GRAPH_CODE), check)
 
     def block_costs(self, repeats: int = 7) -> tuple:
         """(cost(n, context), seconds of a one-token step) as an adaptive draft takes them: every
@@ -150,12 +174,33 @@ class CompiledTarget:
         return (lambda n, context: 1.0 if n == 0 else block), step
 
 
-def compile_target(target, block_len: int, hidden_layers=(), device: str = "cpu") -> CompiledTarget:
-    """The target compiled, its graphs compiled here (rather than inside the first prompt's timing),
-    each with a line on stderr that says what is compiling and how long it took."""
+def start_compiler() -> threading.Thread:
+    """Import the compiler and let inductor probe the CPU's vector instructions (child processes)
+    on a thread of its own, begun before the weights load: their seconds then pass while the
+    weights load, and a kept graph loads in the time its own files take. compile_target waits for it."""
+    def prepare():
+        for module in ("torch._dynamo.aot_compile", "torch._inductor.codecache", "torch._inductor.graph",
+                       "torch._inductor.select_algorithm"):  # (what loading a kept graph imports)
+            importlib.import_module(module)
+        importlib.import_module("torch._inductor.cpu_vec_isa").pick_vec_isa()
+    thread = threading.Thread(target=prepare, daemon=True)
+    thread.start()
+    return thread
+
+
+def compile_target(target, block_len: int, hidden_layers=(), device: str = "cpu",
+                   compiler: threading.Thread | None = None) -> CompiledTarget:
+    """The target compiled, its graphs loaded or compiled here (rather than inside the first
+    prompt's timing), each with a line on stderr that says what it is doing and how long it took.
+    compiler: start_compiler's thread, where the run began one."""
+    if compiler is not None:
+        compiler.join()
     compiled = CompiledTarget(target, block_len, hidden_layers, "default" if device == "cpu" else "reduce-overhead")
-    for what, graph in compiled.warm_up():
-        print(f"note: --compile on: compiling the {what}", end="", file=sys.stderr, flush=True)
-        compiled.compile_seconds[what] = graph()
-        print(f" ({compiled.compile_seconds[what]:.0f} s; inductor keeps it on disk for later runs)", file=sys.stderr)
+    for what, prepare in compiled.graphs():
+        print(f"note: --compile on: the {what}", end="", file=sys.stderr, flush=True)
+        seconds, loaded = prepare()
+        compiled.compile_seconds[what] = seconds
+        where = f"loaded from {GRAPH_CACHE}" if loaded else \
+            f"compiled; kept in {GRAPH_CACHE} for later runs" if compiled.cpu else "compiled"
+        print(f" ({where}, {seconds:.0f} s)", file=sys.stderr)
     return compiled

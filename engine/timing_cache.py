@@ -40,11 +40,16 @@ def cpu_description() -> dict:
 
 
 def step_code_digest() -> str:
-    """A digest of the code a step runs (model.py and linear_forms.py) as Python compiles it:
-    docstrings, comments and line layout left out, so a decision timed on other code is timed
-    again, and an edit of the text alone keeps it."""
+    """A digest of the code a step runs (model.py and linear_forms.py): a decision timed on other
+    code is timed again."""
+    return code_digest(M, LF)
+
+
+def code_digest(*modules) -> str:
+    """A digest of these modules' code as Python compiles it: docstrings, comments and line
+    layout left out, so that an edit of the text alone keeps what was kept for the code."""
     trees = []
-    for module in (M, LF):
+    for module in modules:
         tree = ast.parse(Path(module.__file__).read_text())
         for node in ast.walk(tree):
             body = getattr(node, "body", None)

@@ -11,6 +11,7 @@ import torch
 # --dtype auto remembers its choice per model path: the tests' tiny models (and the scripts they
 # start) keep theirs in a file of this session, not in the user's cache
 os.environ["SPECDEC_LAYOUT_CACHE"] = str(Path(tempfile.mkdtemp(prefix="layouts-")) / "layouts.json")
+os.environ["SPECDEC_GRAPH_CACHE"] = str(Path(tempfile.mkdtemp(prefix="graphs-")))  # (compiled graphs, likewise)
 
 from engine import weights as WT
 from engine import layouts as LY  # noqa: E402

@@ -1,12 +1,14 @@
 """The compiled decode path (engine/compiled.py): a compiled step and a compiled, padded
 verification block print compiled plain decoding's tokens, chains of any adaptive length meet
 the same two graphs, and nothing recompiles once they are warm. On the default target's first two
-layers in int4 (its real weights, so real bf16 rounding), compiled as decode.py compiles it."""
+layers in int4 (its real weights, so real bf16 rounding), compiled as decode.py compiles it. A
+second run loads the graphs the first one kept (engine/graph_cache.py) and prints the same tokens."""
 import pytest
 import torch
 
 from draft import AdaptiveDraft, LookupDraft
-from engine.compiled import compile_target
+from engine import graph_cache as GC
+from engine.compiled import GRAPH_CODE, CompiledTarget, compile_target
 from engine.layouts import blocks_match_steps, build_target
 from speculative import generate
 
@@ -76,3 +78,64 @@ def test_compiled_sampling_keeps_the_compiled_targets_distribution(compiled):
     proposed = LookupDraft()
     proposed.start(PROMPT)
     assert exact[int(proposed.propose(1)[0][0])] < 0.8  # (the test has power: the draft's token is no sure thing)
+
+
+def prepared(target, block_len: int = K + 1) -> tuple:
+    """A CompiledTarget of `target` as decode.py makes one, and whether each graph was loaded."""
+    again = CompiledTarget(target, block_len, hidden_layers=(0, 2))
+    return again, [prepare()[1] for _, prepare in again.graphs()]
+
+
+def test_a_second_run_loads_the_kept_graphs_and_prints_the_same_tokens(compiled, smollm2_dir):
+    want = decode(compiled, LookupDraft(), K)["tokens"]
+    torch._dynamo.utils.counters.clear()
+    again, loaded = prepared(build_target(smollm2_dir, "int4", "cpu", 160, n_layer=2))
+    assert loaded == [True, True] and not torch._dynamo.utils.counters["stats"]  # nothing traced
+    assert decode(again)["tokens"] == want and decode(again, LookupDraft(), K)["tokens"] == want
+
+
+def test_a_check_of_the_kept_graphs_is_kept_beside_them(compiled, smollm2_dir, monkeypatch):
+    calls = []
+    def check(verdict):
+        return lambda: calls.append(verdict) or verdict
+    assert compiled.kept_check("a test's check", check(True))
+    again, loaded = prepared(build_target(smollm2_dir, "int4", "cpu", 160, n_layer=2))
+    assert loaded == [True, True] and again.kept_check("a test's check", check(False)) and calls == [True]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # another thread count: checked again
+    assert not again.kept_check("a test's check", check(False)) and calls == [True, False]
+
+
+def test_a_graph_is_kept_for_its_own_model_layout_cache_and_draft(smollm2_dir):
+    def key(target, what="one-token step, hidden layers (0, 2)"):
+        return GC.graph_key(target, what, GRAPH_CODE)
+    target = build_target(smollm2_dir, "int4", "cpu", 160, n_layer=2)
+    assert key(target) == key(build_target(smollm2_dir, "int4", "cpu", 160, n_layer=2))
+    others = [build_target(smollm2_dir, "int4", "cpu", 192, n_layer=2),  # another cache length
+              build_target(smollm2_dir, "float32", "cpu", 160, n_layer=2),  # another layout
+              build_target(smollm2_dir, "int4", "cpu", 160, n_layer=3)]  # another model
+    keys = {key(target), key(target, "one-token step, hidden layers (0,)"), *map(key, others)}
+    assert len(keys) == 5
+    assert GC.graph_key(target, "x", GRAPH_CODE) != GC.graph_key(target, "x", GRAPH_CODE[:-1])  # other code
+
+
+def test_a_graph_cache_that_cannot_be_written_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(GC, "GRAPH_CACHE", tmp_path / "a-file" / "graphs")
+    GC.keep_graph(object(), "key")
+    assert f"{tmp_path / 'a-file' / 'graphs'} could not be written" in capsys.readouterr().err
+
+
+def test_a_kept_graph_that_cannot_be_read_is_compiled_and_kept_again(compiled, smollm2_dir, tmp_path, monkeypatch,
+                                                                     capsys):
+    """(The step alone, a plain run's one graph: two compiles in this test, not four.)"""
+    want = decode(compiled)["tokens"]
+    monkeypatch.setattr(GC, "GRAPH_CACHE", tmp_path)
+    def build():
+        return build_target(smollm2_dir, "int4", "cpu", 160, n_layer=2)
+    assert prepared(build(), 1)[1] == [False]
+    kept, = tmp_path.glob("*.graph")
+    kept.write_bytes(kept.read_bytes()[:1000])  # (cut short, as by a full disk)
+    again, loaded = prepared(build(), 1)
+    assert loaded == [False] and "could not be read" in capsys.readouterr().err
+    assert decode(again)["tokens"] == want
+    assert prepared(build(), 1)[1] == [True]
