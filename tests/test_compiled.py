@@ -8,7 +8,7 @@ import torch
 
 from draft import AdaptiveDraft, LookupDraft
 from engine import graph_cache as GC
-from engine.compiled import GRAPH_CODE, CompiledTarget, compile_target
+from engine.compiled import GRAPH_CODE, CompiledTarget, compile_target, start_compiler
 from engine.layouts import blocks_match_steps, build_target
 from speculative import generate
 
@@ -19,7 +19,7 @@ PROMPT = [1, 504, 3458, 314, 253, 1789, 30, 504, 3458, 314, 253] * 3  # repeats:
 @pytest.fixture(scope="module")
 def compiled(smollm2_dir):
     target = build_target(smollm2_dir, "int4", "cpu", 160, n_layer=2)
-    return compile_target(target, K + 1, hidden_layers=(0, 2))  # (as an EAGLE-3 draft reads them)
+    return compile_target(target, K + 1, hidden_layers=(0, 2), compiler=start_compiler())  # (as decode.py does)
 
 
 def decode(compiled, draft=None, k=0, temperature=0.0, generator=None, new=48):
