@@ -71,11 +71,14 @@ class CompiledTarget:
     states of the layers the run's draft reads (hidden_layers) whatever a call asks for, so that
     asking for fewer (an exactness check, a plain step) meets the same graph."""
 
-    def __init__(self, target, block_len: int, hidden_layers=(), mode: str = "default"):
+    def __init__(self, target, block_len: int, hidden_layers=(), mode: str = "default", whole_cache=None):
+        """whole_cache: the graphs attend the whole static cache through a mask, as on CUDA (the
+        default there; a CPU test runs that code too), rather than the visible keys (a CPU's)."""
         cpu = target.embed_tokens.weight.device.type == "cpu"
+        whole_cache = not cpu if whole_cache is None else whole_cache
         torch._dynamo.reset()  # (graphs of another target would guard on shapes only: one target a process)
-        attend_rows_apart(target, whole_cache=not cpu)
-        self.target, self.block_len, self.cpu = target, block_len, cpu
+        attend_rows_apart(target, whole_cache=whole_cache)
+        self.target, self.block_len, self.visible = target, block_len, not whole_cache
         self.hidden_layers = tuple(hidden_layers)
         self.compile_seconds = {}  # {graph: seconds it took to compile or load}, as compile_target fills it
         self.graph_keys = []  # the kept graphs' keys (a CPU's)
@@ -83,20 +86,20 @@ class CompiledTarget:
         self.embed_tokens = target.embed_tokens  # (generate reads the device from it)
         # the output head stays out of the graphs, as it is: on a CPU the engine's packed head is
         # faster than what inductor makes of it, and a block's padded rows need no logits
-        if cpu:
+        if self.visible:
             unpack(target.layers)  # (inductor reads plain weights, not oneDNN's blocked ones)
             self.slots = torch.arange(target.max_seq_len)  # (a slice of it carries a graph's key count)
             self.step_graph = self.block_graph = None  # (prepared by prepare_graphs)
         else:
             self.step_graph = self.block_graph = torch.compile(whole_cache_decoder, dynamic=False, fullgraph=True,
                                                                mode=mode)
-        self.copy_outputs = not cpu and mode == "reduce-overhead"  # a CUDA graph reuses its outputs
+        self.copy_outputs = mode == "reduce-overhead"  # a CUDA graph reuses its outputs
 
     def __call__(self, tokens, input_pos, hidden_layers=(), last_logits_only=False, key_valid=None,
                  tree_parents=None):
         B, T = tokens.shape
         if B != 1 or T > self.block_len or key_valid is not None or tree_parents is not None or \
-                not set(hidden_layers) <= set(self.hidden_layers) or self.cpu and \
+                not set(hidden_layers) <= set(self.hidden_layers) or self.visible and \
                 (int(input_pos[-1]) < 1 or T > 1 and int(input_pos[0]) + self.block_len > self.max_seq_len):
             return self.target(tokens, input_pos, hidden_layers, last_logits_only, key_valid, tree_parents)
         if 1 < T < self.block_len:
@@ -109,7 +112,7 @@ class CompiledTarget:
         # slice of one row is "contiguous" with its parent's strides)
         tokens, input_pos = tokens.clone(memory_format=torch.contiguous_format), input_pos.contiguous()
         graph = self.step_graph if T == 1 else self.block_graph
-        if self.cpu:  # (a kept graph checks no guards: one row, a visible key count of 2 or more)
+        if self.visible:  # (a kept graph checks no guards: one row, a visible key count of 2 or more)
             visible = self.slots[:int(input_pos[-1]) + 1]
             x, hidden = graph(self.target, tokens, input_pos, visible, self.hidden_layers)  # x: (1, 1 or block_len, dim)
         else:
@@ -131,7 +134,7 @@ class CompiledTarget:
                 t0 = time.perf_counter()
                 device = self.embed_tokens.weight.device
                 tokens, input_pos = torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(2, 2 + T, device=device)
-                if not self.cpu:
+                if not self.visible:
                     with torch.inference_mode():
                         self(tokens, input_pos)
                     return time.perf_counter() - t0, False
@@ -201,6 +204,6 @@ def compile_target(target, block_len: int, hidden_layers=(), device: str = "cpu"
         seconds, loaded = prepare()
         compiled.compile_seconds[what] = seconds
         where = f"loaded from {GRAPH_CACHE}" if loaded else \
-            f"compiled; kept in {GRAPH_CACHE} for later runs" if compiled.cpu else "compiled"
+            f"compiled; kept in {GRAPH_CACHE} for later runs" if compiled.visible else "compiled"
         print(f" ({where}, {seconds:.0f} s)", file=sys.stderr)
     return compiled

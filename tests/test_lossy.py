@@ -130,7 +130,7 @@ def test_quick_run_is_consistent_and_resumes(tmp_path, capsys):
     per-problem records', exact configurations show no distortion, the tree versions pair with
     their chains, and a rerun resumes (the trees share the chains' run: each run loads the target)."""
     out = tmp_path / "lossy.json"
-    configs = "plain sampling,lossless,minp p_base=0.1,cos lam=0.5,overshoot lam=0.5 c=2"
+    configs = "plain sampling,lossless,cos lam=0.5,overshoot lam=0.5 c=2"  # (one of each kind of row)
     r = run_lossy("--quick", "--workers", "1", "--configs", configs, "--tree", "6", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
