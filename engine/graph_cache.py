@@ -26,6 +26,10 @@ from engine.timing_cache import code_digest, cpu_description, note_once
 from engine.weights import cache_dir
 
 GRAPH_CACHE = Path(os.environ.get("SPECDEC_GRAPH_CACHE") or cache_dir() / "graphs")
+# A kept graph holds its kernels' source; the binaries built from it live in inductor's cache, by
+# default under /tmp, which a reboot empties (a kept graph then loads in the time a compile takes).
+# Kept beside the graphs, they last as long as the graphs do (where the user has not chosen a place).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(GRAPH_CACHE / "inductor"))
 
 
 def graph_key(model: torch.nn.Module, what: str, code_modules: tuple) -> str:

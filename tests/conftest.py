@@ -12,6 +12,9 @@ import torch
 # start) keep theirs in a file of this session, not in the user's cache
 os.environ["SPECDEC_LAYOUT_CACHE"] = str(Path(tempfile.mkdtemp(prefix="layouts-")) / "layouts.json")
 os.environ["SPECDEC_GRAPH_CACHE"] = str(Path(tempfile.mkdtemp(prefix="graphs-")))  # (compiled graphs, likewise)
+# (inductor's own cache keeps its usual place: the tests' tiny kernels compile once per machine, not per session)
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: E402
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
 
 from engine import weights as WT
 from engine import layouts as LY  # noqa: E402

@@ -3,12 +3,15 @@ verification block print compiled plain decoding's tokens, chains of any adaptiv
 the same two graphs, and nothing recompiles once they are warm. On the default target's first
 layer in int4 (its real weights, so real bf16 rounding), compiled as decode.py compiles it. A
 second run loads the graphs the first one kept (engine/graph_cache.py) and prints the same tokens."""
+import os
+
 import pytest
 import torch
 
 from draft import AdaptiveDraft, LookupDraft
 from engine import graph_cache as GC
 from engine.compiled import GRAPH_CODE, CompiledTarget, compile_target, start_compiler
+from engine.files import ROOT
 from engine.layouts import blocks_match_steps, build_target
 from speculative import generate
 
@@ -116,6 +119,19 @@ def test_a_graph_is_kept_for_its_own_model_layout_cache_and_draft(smollm2_dir):
     keys = {key(target), key(target, "one-token step, hidden layers (0,)"), *map(key, others)}
     assert len(keys) == 5
     assert GC.graph_key(target, "x", GRAPH_CODE) != GC.graph_key(target, "x", GRAPH_CODE[:-1])  # other code
+
+
+def test_inductors_binaries_are_kept_beside_the_graphs_unless_placed_elsewhere(tmp_path):
+    """(A kept graph holds its kernels' source; their binaries must outlast /tmp for it to load fast.)"""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    show = "import os, engine.graph_cache; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    def inductor_cache(**extra):
+        return subprocess.run([sys.executable, "-c", show], env={**env, "SPECDEC_GRAPH_CACHE": str(tmp_path), **extra},
+                              capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
+    assert inductor_cache() == str(tmp_path / "inductor")
+    assert inductor_cache(TORCHINDUCTOR_CACHE_DIR="/elsewhere") == "/elsewhere"
 
 
 def test_a_graph_cache_that_cannot_be_written_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
