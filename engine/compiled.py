@@ -89,7 +89,7 @@ class CompiledTarget:
         if self.visible:
             unpack(target.layers)  # (inductor reads plain weights, not oneDNN's blocked ones)
             self.slots = torch.arange(target.max_seq_len)  # (a slice of it carries a graph's key count)
-            self.step_graph = self.block_graph = None  # (prepared by prepare_graphs)
+            self.step_graph = self.block_graph = None  # (graphs() prepares them)
         else:
             self.step_graph = self.block_graph = torch.compile(whole_cache_decoder, dynamic=False, fullgraph=True,
                                                                mode=mode)
@@ -114,7 +114,8 @@ class CompiledTarget:
         graph = self.step_graph if T == 1 else self.block_graph
         if self.visible:  # (a kept graph checks no guards: one row, a visible key count of 2 or more)
             visible = self.slots[:int(input_pos[-1]) + 1]
-            x, hidden = graph(self.target, tokens, input_pos, visible, self.hidden_layers)  # x: (1, 1 or block_len, dim)
+            # x: (1, T or block_len, dim)
+            x, hidden = graph(self.target, tokens, input_pos, visible, self.hidden_layers)
         else:
             x, hidden = graph(self.target, tokens, input_pos, self.hidden_layers)
         if self.copy_outputs:
@@ -133,7 +134,8 @@ class CompiledTarget:
             def prepare(what=what, T=T):
                 t0 = time.perf_counter()
                 device = self.embed_tokens.weight.device
-                tokens, input_pos = torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(2, 2 + T, device=device)
+                tokens = torch.zeros(1, T, dtype=torch.long, device=device)
+                input_pos = torch.arange(2, 2 + T, device=device)
                 if not self.visible:
                     with torch.inference_mode():
                         self(tokens, input_pos)

@@ -90,7 +90,6 @@ def compiled_graph(fn, example_args: tuple, key: str, options: dict):
     return graph, False
 
 
-
 def kept_verdict(key: str, check) -> bool:
     """check()'s verdict on graphs kept under `key` (see CompiledTarget.kept_check), kept beside
     them: read where a run found it before, else checked here and kept."""
