@@ -298,6 +298,7 @@ def test_lossy_tree_decoding_emits_its_closed_form(models, v):
 # -----------------------------------------------------------------------------
 # The real default target, the command line and the benchmark
 
+@pytest.mark.slow  # (decode.py's --tree 8 and the GSM8K draft's --tree 16 hold the same in tests/test_decode.py)
 def test_default_target_tree_decoding_is_its_plain_decoding(default_int4):
     """SmolLM2 in int4 (verification row by row): lookup and EAGLE-3 trees give plain decoding's tokens."""
     target, tokenizer = default_int4
