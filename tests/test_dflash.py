@@ -120,18 +120,16 @@ def test_dflash_block_cap_is_not_counted_as_early_exit(target):
 
 
 def test_committed_dflash_draft_decodes_the_default_target_exactly(default_int4):
-    """The committed GSM8K DFlash draft, with and without early exit, emits plain greedy decoding's
-    tokens on the int4 default target (bf16 and int4 verify row by row: exact by construction)."""
+    """The committed GSM8K DFlash draft, its fixed block without early exit, emits plain greedy
+    decoding's tokens on the int4 default target (bf16 and int4 verify row by row: exact by
+    construction); decode.py's default for it, early exit and all, is held in tests/test_decode.py."""
     target, tokenizer = default_int4
     ids = tokenizer.encode_chat([{"role": "user", "content": "A baker makes 24 rolls and sells 3 bags of 5 "
                                   "rolls. How many rolls are left?"}])
     plain = generate(target, ids, max_new_tokens=64, stop_ids=tokenizer.stop_ids)
-    for early_exit in (None, "auto"):
-        draft = CK.build_draft(str(FL.ROOT / "drafts" / "smollm2-135m-dflash-gsm8k"), target, tokenizer,
-                               early_exit=early_exit)
-        assert isinstance(draft, DFlashDraft)
-        spec = generate(target, ids, draft, Verifier("greedy"), k=7, max_new_tokens=64,
-                        stop_ids=tokenizer.stop_ids)
-        assert spec["tokens"] == plain["tokens"]
-        assert spec["target_forwards"] < plain["target_forwards"]  # it drafts tokens the target keeps
+    draft = CK.build_draft(str(FL.ROOT / "drafts" / "smollm2-135m-dflash-gsm8k"), target, tokenizer, early_exit=None)
+    assert isinstance(draft, DFlashDraft)
+    spec = generate(target, ids, draft, Verifier("greedy"), k=7, max_new_tokens=64, stop_ids=tokenizer.stop_ids)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["target_forwards"] < plain["target_forwards"]  # it drafts tokens the target keeps
 
