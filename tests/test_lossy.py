@@ -125,6 +125,7 @@ def run_lossy(*extra, cwd=ROOT):
                           timeout=600, cwd=cwd)
 
 
+@pytest.mark.slow  # (the parts it puts together are tested apart above and below, in the default suite)
 def test_quick_run_is_consistent_and_resumes(tmp_path, capsys):
     """The real default target and GSM8K draft on one problem per level: the summary is the
     per-problem records', exact configurations show no distortion, the tree versions pair with
@@ -212,7 +213,7 @@ def test_missing_weights_and_drafts_fail_in_one_line_and_keep_the_log_usable(tmp
     assert lossy.read_partial(out.with_name(out.name + ".problems.jsonl"), {"config": 1}) == {}
 
 
-@pytest.mark.slow  # (the grader and the quick run are tested apart in the default suite)
+@pytest.mark.slow  # (the graders, the closed forms and the refusals are tested apart in the default suite)
 @needs_bwrap
 def test_gsm8k_and_humaneval_run_through_the_same_experiment(tmp_path):
     out = tmp_path / "hard.json"
