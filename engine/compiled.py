@@ -98,9 +98,10 @@ class CompiledTarget:
     def __call__(self, tokens, input_pos, hidden_layers=(), last_logits_only=False, key_valid=None,
                  tree_parents=None):
         B, T = tokens.shape
+        last = int(input_pos[-1]) if self.visible else None  # (one host read: the visible keys end there)
         if B != 1 or T > self.block_len or key_valid is not None or tree_parents is not None or \
                 not set(hidden_layers) <= set(self.hidden_layers) or self.visible and \
-                (int(input_pos[-1]) < 1 or T > 1 and int(input_pos[0]) + self.block_len > self.max_seq_len):
+                (last < 1 or T > 1 and int(input_pos[0]) + self.block_len > self.max_seq_len):
             return self.target(tokens, input_pos, hidden_layers, last_logits_only, key_valid, tree_parents)
         if 1 < T < self.block_len:
             # padded rows, at the positions after the block (CUDA: generate sizes the cache to hold them)
@@ -113,7 +114,7 @@ class CompiledTarget:
         tokens, input_pos = tokens.clone(memory_format=torch.contiguous_format), input_pos.contiguous()
         graph = self.step_graph if T == 1 else self.block_graph
         if self.visible:  # (a kept graph checks no guards: one row, a visible key count of 2 or more)
-            visible = self.slots[:int(input_pos[-1]) + 1]
+            visible = self.slots[:last + 1 + (tokens.shape[1] - T)]  # (padded rows included)
             # x: (1, T or block_len, dim)
             x, hidden = graph(self.target, tokens, input_pos, visible, self.hidden_layers)
         else:

@@ -5,6 +5,7 @@ Every file that a later run reads is written under a temporary name beside its d
 renamed into place, so a reader sees the old version or the new one, whole, even when the writer
 is killed halfway; and no tensor holding a NaN or an infinity is written as data.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -28,27 +29,31 @@ def os_error_text(e: OSError) -> str:
     return f"{where}{e.strerror or e} (nothing was left half-written)"
 
 
-def write_atomically(path: Path, data: str | bytes):
-    """Write text (or bytes) under a temporary name, then rename it to `path`."""
+@contextmanager
+def file_written_atomically(path: Path):
+    """Yields a temporary name beside `path` to write; when the block ends without an error it is
+    renamed to `path`, and either way nothing is left under the temporary name."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
+        yield tmp
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (where nothing could be written, nothing is left)
+            tmp.unlink(missing_ok=True)
+
+
+def write_atomically(path: Path, data: str | bytes):
+    """Write text (or bytes) under a temporary name, then rename it to `path`."""
+    with file_written_atomically(path) as tmp:
+        tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
 
 
 def save_atomically(obj, path: Path):
     """torch.save, whole or not at all (see write_atomically)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with file_written_atomically(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def replace_directory(new: Path, path: Path):

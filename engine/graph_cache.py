@@ -14,14 +14,13 @@ inputs to the shapes the graph was compiled for. A file is written whole (a rena
 cannot be read is compiled and written again, and a cache that cannot be written is named once and
 the run goes on with the graph it compiled.
 """
-import contextlib
 import hashlib
 import os
 from pathlib import Path
 
 import torch
 
-from engine.files import write_atomically
+from engine.files import file_written_atomically, write_atomically
 from engine.timing_cache import code_digest, cpu_description, note_once
 from engine.weights import cache_dir
 
@@ -61,18 +60,13 @@ def load_graph(key: str):
 
 def keep_graph(graph, key: str):
     """Write `graph` under `key`, whole or not at all; a cache that cannot be written is named once."""
-    path = GRAPH_CACHE / f"{key}.graph"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         GRAPH_CACHE.mkdir(parents=True, exist_ok=True)
-        graph.save_compiled_function(str(tmp))
-        os.replace(tmp, path)
+        with file_written_atomically(GRAPH_CACHE / f"{key}.graph") as tmp:
+            graph.save_compiled_function(str(tmp))
     except (OSError, RuntimeError) as e:
         note_once(f"{GRAPH_CACHE} could not be written ({getattr(e, 'strerror', None) or e}): the next run "
                   "compiles its graphs again")
-    finally:
-        with contextlib.suppress(OSError):  # (where nothing could be written, nothing is left)
-            tmp.unlink(missing_ok=True)
 
 
 def compiled_graph(fn, example_args: tuple, key: str, options: dict):
