@@ -30,7 +30,7 @@ from engine.checkpoints import DEFAULT_DRAFTS, draft_spec_problem
 from dflash import DFlashDraft
 from draft import Draft
 from eagle3 import Eagle3Draft
-from engine.compiled import cache_slots, compile_target
+from engine.compiled import cache_slots, compile_draft, compile_target
 from engine.files import ROOT, os_error_text, repo_path
 from engine.layouts import choose_layout, layout_of, load_target, run_block_costs, target_layout
 from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options,
@@ -89,12 +89,16 @@ def speed_runs(args, target, choice: dict, tokenizer, generator, encoded: list):
     (engine.compiled, after the drafts: its graphs return the hidden states they read).
     Returns {run name: [one result per prompt]}, {run name: temperature}, the verification
     heads' reliability per run and the seconds each compiled graph took to compile ({} eager)."""
-    drafts = {(spec, t): make_draft(spec, target, tokenizer, t, generator) for t in args.temperatures
+    drafts = {(spec, t): make_draft(spec, target, tokenizer, t, generator, args.compile) for t in args.temperatures
               for spec in args.drafts}
     step_fn = None
     if args.compile:
         hidden_layers = sorted({i for draft in drafts.values() for i in draft.target_layers})
         step_fn = compile_target(target, args.num_draft_tokens + 1 if drafts else 1, hidden_layers, args.device)
+        for draft in drafts.values():
+            seconds = compile_draft(draft)
+            if seconds is not None:
+                step_fn.compile_seconds.setdefault("draft's one-token step", seconds)
     costs = None  # timed only where a draft adapts its length to them (@adapt)
     if any(parse_spec(spec)[3] for spec in args.drafts):
         costs = step_fn.block_costs() if step_fn is not None and args.device == "cpu" else \

@@ -17,7 +17,7 @@ import torch
 
 import model as M
 from engine.checkpoints import CONFIDENCE_EXIT_DEFAULT, DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
-from engine.compiled import COMPILED_K, cache_slots, compile_target, start_compiler
+from engine.compiled import COMPILED_K, cache_slots, compile_draft, compile_target, start_compiler
 from engine.files import os_error_text, repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, run_block_costs,
                             target_layout)
@@ -262,12 +262,13 @@ def encode_prompts(args, tokenizer, context: int, verifier: Verifier) -> list:
     return encoded
 
 
-def run_draft(args, target, choice: dict, tokenizer, generator):
+def run_draft(args, target, tokenizer, generator, compiled: bool):
     """The draft asked for, built, or None (--verifier none)."""
     if args.verifier == "none":
         return None
     return build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
-                       generator=generator, early_exit=args.early_exit, exit_signal=args.early_exit_signal)
+                       generator=generator, early_exit=args.early_exit, exit_signal=args.early_exit_signal,
+                       compiled=compiled)
 
 
 def exact_draft(args, target, choice: dict, draft, compiled=None):
@@ -314,10 +315,12 @@ def main(argv=None):
     target, _, choice = load_target(str(path), args.device, layout, slots)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     print(f"[{layout_reason(target, choice)}]", file=sys.stderr)
-    draft = run_draft(args, target, choice, tokenizer, generator)
+    draft = run_draft(args, target, tokenizer, generator, compiled)
     block = args.num_draft_tokens + 1 if draft else 1
     step_fn = compile_target(target, block, draft.target_layers if draft else (), args.device,
                              compiler) if compiled else None
+    if compiled:
+        compile_draft(draft)
     draft = exact_draft(args, target, choice, draft, step_fn)
     results = decode_prompts(args, encoded, target, tokenizer, draft, verifier, generator, step_fn)
     if args.device == "cpu" and not compiled:  # (a compiled step is faster than the eager one timed)

@@ -114,6 +114,8 @@ class Eagle3Draft(Draft):
                                weight.dtype, weight.device)
         self.cos, self.sin = M.rope_table(net.args, max_seq_len, weight.device, weight.dtype)
         self.forwards = 0
+        self.row_graph = None  # a chain's one-row step compiled (engine.compiled.compile_draft)
+        self.slots = torch.arange(max_seq_len, device=weight.device)  # (a slice carries a graph's key count)
 
     def start(self, prompt_ids, features=None):
         self.cache_len = 0
@@ -125,6 +127,11 @@ class Eagle3Draft(Draft):
         """One draft forward: tokens (T,) with the states they pair with, hidden (T, dim), rotated
         at rope_pos (T,), written to cache slots (T,), each row seeing the slots `visible` marks
         (T, kv_len): a chain's causal rows, or a tree's context and ancestors. -> (T, dim)."""
+        self.forwards += 1
+        return self.rows(tokens, hidden, rope_pos, slots, visible)
+
+    def rows(self, tokens, hidden, rope_pos, slots, visible):
+        """step() without its count: what a compiled graph of the draft traces."""
         def attend(q, k, v):
             keys, values = self.cache.update(slots, k, v)
             kv_len = visible.shape[1]
@@ -132,12 +139,15 @@ class Eagle3Draft(Draft):
             mixed = self.net.midlayer.self_attn.mix(q, keys, values, visible)
             # (1, T, heads * head_dim), in the draft's dtype (attention runs in the cache's)
             return mixed.transpose(1, 2).flatten(2).to(hidden.dtype)
-        self.forwards += 1
         cos, sin = self.cos[rope_pos], self.sin[rope_pos]
         return self.net(self.embed(tokens)[None], hidden[None], cos, sin, attend)[0]
 
     def chain_step(self, tokens, hidden, pos: int):
-        """step() for rows at positions pos..pos+T-1, each seeing what precedes it."""
+        """step() for rows at positions pos..pos+T-1, each seeing what precedes it; one row by
+        the compiled graph where the run compiled one (engine.compiled.compile_draft)."""
+        if len(tokens) == 1 and self.row_graph is not None and pos >= 1:
+            self.forwards += 1
+            return self.row_graph(self, tokens, hidden, self.slots[:pos + 1])
         positions = torch.arange(pos, pos + len(tokens), device=hidden.device)
         slots = torch.arange(pos + len(tokens), device=hidden.device)
         visible = slots <= positions[:, None]  # (T, pos+T)

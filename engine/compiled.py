@@ -21,6 +21,7 @@ import time
 
 import torch
 
+import eagle3
 import model as M
 from engine import linear_forms, rows_apart
 from engine.graph_cache import GRAPH_CACHE, compiled_graph, graph_key, kept_verdict
@@ -62,6 +63,15 @@ def whole_cache_decoder(target, tokens, input_pos, hidden_layers):
     which CUDA graphs capture."""
     mask = M.attention_mask(input_pos, target.max_seq_len)  # (T, max_seq_len)
     return target.trunk(tokens, input_pos, input_pos, mask, hidden_layers)
+
+
+def draft_chain_row(draft, token, state, visible):
+    """One row of an EAGLE-3 draft's chain, as eagle3.Eagle3Draft.chain_step takes it: token (1,)
+    fed with the state (1, dim) it pairs with, at the last of the visible slots, seeing them all
+    -> (1, dim). The visible slots' count is dynamic, as the target's graphs' is."""
+    position = visible[-1:]  # (1,)
+    seen = torch.ones(1, visible.shape[0], dtype=torch.bool, device=visible.device)  # (1, kv_len)
+    return draft.rows(token, state, position, position, seen)
 
 
 class CompiledTarget:
@@ -210,3 +220,29 @@ def compile_target(target, block_len: int, hidden_layers=(), device: str = "cpu"
             f"compiled; kept in {GRAPH_CACHE} for later runs" if compiled.visible else "compiled"
         print(f" ({where}, {seconds:.0f} s)", file=sys.stderr)
     return compiled
+
+
+def compile_draft(draft) -> float | None:
+    """A CPU run's EAGLE-3 draft (alone or behind lookup) with the one-row step of its chains
+    compiled, loaded from the graph cache or compiled and kept there, with a line on stderr as
+    compile_target's; returns its seconds, or None where the run has no such draft (DFlash drafts
+    a block in one forward and an independent model steps as the target's eager forward does:
+    both run eagerly). On CUDA drafts run eagerly."""
+    inner = getattr(draft, "model_draft", draft)
+    if not isinstance(inner, eagle3.Eagle3Draft) or inner.slots.device.type != "cpu":
+        return None
+    print("note: --compile on: the draft's one-token step", end="", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    unpack(inner.net)
+    weight = inner.net.fc.weight
+    token = torch.zeros(1, dtype=torch.long)
+    state = torch.zeros(1, inner.net.args.dim, dtype=weight.dtype)
+    visible = inner.slots[:3]  # (an example writes cache slot 2, which the prompt's catch-up rewrites)
+    torch._dynamo.mark_dynamic(visible, 0)
+    reads = torch.nn.ModuleDict({"net": inner.net, "embed": inner.embed, "cache": inner.cache})
+    key = graph_key(reads, f"EAGLE-3 chain row, rope {tuple(inner.cos.shape)} {inner.cos.dtype}", GRAPH_CODE + (eagle3,))
+    inner.row_graph, loaded = compiled_graph(draft_chain_row, (inner, token, state, visible), key, CPU_OPTIONS)
+    seconds = time.perf_counter() - t0
+    where = f"loaded from {GRAPH_CACHE}" if loaded else f"compiled; kept in {GRAPH_CACHE} for later runs"
+    print(f" ({where}, {seconds:.0f} s)", file=sys.stderr)
+    return seconds

@@ -1,11 +1,12 @@
 """
 What one drafted token costs, in target steps: an EAGLE-3 draft's token (its heads, the argmax and
 its one-token forward, eagle3.Eagle3Draft.step) timed against the target's one-token step, eager
-and compiled (engine/compiled.py), with the draft's weights as decode.py loads them (fp32 on a
-CPU) and in bf16. A chain of k tokens costs k of these on top of its verification block, so this
-is what decides whether compiling the draft can make it pay where blocks are dear: a compiled chain
-of COMPILED_K beats plain decoding only where its tau exceeds its block's cost plus its tokens',
-both recorded here in target steps.
+and compiled (engine/compiled.py), with the draft's weights in fp32 and in bf16, and the token
+decode.py --compile on drafts (the draft as it builds and compiles it: bf16 where the CPU
+multiplies bf16, its chain row compiled). A chain of k tokens costs k of these on top of its
+verification block, so this is what decides whether compiling the draft can make it pay where
+blocks are dear: a compiled chain of COMPILED_K beats plain decoding only where its tau exceeds
+its block's cost plus its tokens', both recorded here in target steps.
 
     python experiments/draft_cost.py --out docs/draft-cost/draft-cost.json
 
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modu
 import torch
 
 from engine.checkpoints import build_draft
-from engine.compiled import COMPILED_K, CPU_OPTIONS, cache_slots, compile_target
+from engine.compiled import COMPILED_K, CPU_OPTIONS, cache_slots, compile_draft, compile_target
 from engine.layouts import layout_of, load_target
 from engine.machine import ArgumentParser, pick_threads
 from engine.weights import DEFAULT_TARGET, resolve_model
@@ -105,6 +106,22 @@ def main(argv=None):
                 rows[f"{str(dtype).removeprefix('torch.')} {mode}"] = {
                     "ms": seconds * 1e3, "compiled_target_steps": seconds / step_s,
                     "eager_target_steps": seconds / eager_step_s}
+        # the drafted token decode.py --compile on runs: the draft built and compiled as it builds
+        # and compiles it, timed as what one more token adds to a proposal (its heads, sampling and
+        # compiled chain row), a proposal of 5 against one of 1, each after one committed pair
+        product = build_draft(args.draft, target, tokenizer, compiled=True)
+        seconds = compile_draft(product)
+        features = torch.zeros(args.context - 1, 3 * target.args.dim, dtype=target.embed_tokens.weight.dtype)
+        product.start(ids, features)
+        def proposal(k):
+            def call():
+                product.commit([ids[-1]], 0, features[-1:])
+                product.propose(k)
+            return call
+        token_s = (median_seconds(proposal(5), args.repeats) - median_seconds(proposal(1), args.repeats)) / 4
+        rows[f"decode.py --compile on ({str(product.net.fc.weight.dtype).removeprefix('torch.')})"] = {
+            "ms": token_s * 1e3, "compiled_target_steps": token_s / step_s, "eager_target_steps": token_s / eager_step_s,
+            "compile_seconds": seconds}
     result = {"machine": machine_stamp("cpu"),
               "config": {"target": DEFAULT_TARGET, "layout": layout_of(target), "draft": args.draft,
                          "context": args.context, "repeats": args.repeats},

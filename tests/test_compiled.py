@@ -10,7 +10,9 @@ import torch
 
 from draft import AdaptiveDraft, LookupDraft
 from engine import graph_cache as GC
-from engine.compiled import GRAPH_CODE, CompiledTarget, compile_target, start_compiler
+from conftest import eagle3_net
+from eagle3 import Eagle3Draft
+from engine.compiled import GRAPH_CODE, CompiledTarget, compile_draft, compile_target, start_compiler
 from engine.files import ROOT
 from engine.layouts import blocks_match_steps, build_target
 from speculative import generate
@@ -51,6 +53,32 @@ def test_compiled_speculation_prints_compiled_plain_tokens_and_never_recompiles(
     assert fixed["target_forwards"] < plain["target_forwards"]  # it drafted, and kept some
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] == 0 and not counters["recompiles"], dict(counters)
+
+
+def test_a_compiled_eagle3_draft_steps_as_its_eager_rows_and_speculation_prints_plain_tokens(compiled, capsys):
+    """The draft's chain row compiled (bf16, as a compiled CPU run loads a draft): its state is
+    the eager forward's to bf16 rounding, speculation through it prints plain decoding's tokens,
+    and a second draft loads the kept graph."""
+    net = eagle3_net(compiled.target, draft_vocab=512).to(torch.bfloat16)
+    net.target_layers = (0, 1, 1)  # (the one-layer target's states the fixture's graphs return)
+    def draft():
+        return Eagle3Draft(net, compiled.target.embed_tokens, compiled.max_seq_len)
+    eager, drafted = draft(), draft()
+    assert compile_draft(drafted) is not None and "compiled; kept in" in capsys.readouterr().err
+    dim = net.args.dim
+    with torch.inference_mode():
+        rows = torch.randn(6, dim, dtype=torch.bfloat16)
+        for d in (eager, drafted):  # (a catch-up of five rows, eager in both, then one row)
+            d.chain_step(torch.tensor(PROMPT[1:6]), rows[:5], 0)
+        want, got = (d.chain_step(torch.tensor(PROMPT[6:7]), rows[5:], 5) for d in (eager, drafted))
+    assert eager.forwards == drafted.forwards == 2 and got.shape == want.shape == (1, dim)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.05)
+    plain = decode(compiled)
+    torch._dynamo.utils.counters.clear()
+    speculative = decode(compiled, drafted, K)
+    assert speculative["tokens"] == plain["tokens"] and drafted.forwards > 2 + plain["target_forwards"] // 2
+    assert not torch._dynamo.utils.counters["recompiles"]
+    assert compile_draft(draft()) is not None and "loaded from" in capsys.readouterr().err
 
 
 def test_a_block_past_the_graph_or_a_tree_runs_the_eager_forward(compiled):
