@@ -143,38 +143,42 @@ class Eagle3Draft(Draft):
         return self.net(self.embed(tokens)[None], hidden[None], cos, sin, attend)[0]
 
     def chain_step(self, tokens, hidden, pos: int):
-        """step() for rows at positions pos..pos+T-1, each seeing what precedes it; one row by
-        the compiled graph where the run compiled one (engine.compiled.compile_draft)."""
-        if len(tokens) == 1 and self.row_graph is not None and pos >= 1:
-            self.forwards += 1
-            return self.row_graph(self, tokens, hidden, self.slots[:pos + 1])
+        """step() for rows at positions pos..pos+T-1, each seeing what precedes it."""
         positions = torch.arange(pos, pos + len(tokens), device=hidden.device)
         slots = torch.arange(pos + len(tokens), device=hidden.device)
         visible = slots <= positions[:, None]  # (T, pos+T)
         return self.step(tokens, hidden, positions, positions, visible)
 
-    def feed_pending(self):
-        """Feed the pairs committed since the last draft forward; returns the last one's output
-        (1, dim), the state the next guess is drafted from."""
+    def chain_guess(self, tokens, hidden, pos: int):
+        """chain_step's last state and its heads, the next guess's logits: (1, dim), (Vd,), ().
+        One row runs the compiled graph where the run compiled one (engine.compiled.compile_draft)."""
+        if len(tokens) == 1 and self.row_graph is not None and pos >= 1:
+            self.forwards += 1
+            return self.row_graph(self, tokens, hidden, self.slots[:pos + 1])
+        state = self.chain_step(tokens, hidden, pos)[-1:]
+        return (state, *self.net.heads(state[-1]))
+
+    def take_pending(self) -> tuple:
+        """The pairs committed since the last draft forward, to be fed from the first free cache
+        slot: (tokens (n,), their fused states (n, dim), that slot)."""
         net = self.net
         device, dtype = net.fc.weight.device, net.fc.weight.dtype
         tokens_in = torch.tensor(self.pending_tokens, dtype=torch.long, device=device)
         # (n, 3 * target_dim) -> (n, dim)
         fused = net.fc(torch.cat(self.pending_features).to(device, dtype))
-        state = self.chain_step(tokens_in, fused, self.cache_len)[-1:]  # (1, dim)
+        pos = self.cache_len
         self.cache_len += len(tokens_in)
         self.pending_tokens, self.pending_features = [], []
-        return state
+        return tokens_in, fused, pos
 
     @torch.no_grad()
     def propose(self, k: int):
         net = self.net
         if not self.pending_tokens:  # a one-token prompt: no target state to draft from yet
             return no_tokens()
-        state = self.feed_pending()  # (1, dim)
+        state, logits, head_logit = self.chain_guess(*self.take_pending())  # (1, dim), (Vd,), ()
         tokens, dists, self.proposal_head_logits = [], [], []
         for j in range(k):
-            logits, head_logit = net.heads(state[-1])
             if self.early_exit is not None and \
                     exit_probability(self.exit_signal, logits, head_logit).item() < self.early_exit:
                 break  # the head (or the draft's confidence) expects this token rejected: stop here
@@ -184,7 +188,7 @@ class Eagle3Draft(Draft):
             tokens.append(token)
             dists.append(q)
             if j + 1 < k:
-                state = self.chain_step(token.view(1), state[-1:], self.cache_len + j)
+                state, logits, head_logit = self.chain_guess(token.view(1), state, self.cache_len + j)
         if not tokens:
             return no_tokens()
         return torch.stack(tokens), torch.stack(dists)
@@ -228,7 +232,7 @@ class Eagle3Draft(Draft):
         sampled = self.temperature > 0
         if not self.pending_tokens or n < 1 or depth < 1:
             return torch.tensor([], dtype=torch.long), [], None
-        expand_states = self.feed_pending()  # (1, dim): the root's
+        expand_states = self.chain_step(*self.take_pending())[-1:]  # (1, dim): the root's
         base = self.cache_len
         # the candidates, and slots: the draft cache slot of each fed node
         tokens, parents, scores, slots, qs = [], [], [], {}, []

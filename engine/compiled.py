@@ -66,12 +66,14 @@ def whole_cache_decoder(target, tokens, input_pos, hidden_layers):
 
 
 def draft_chain_row(draft, token, state, visible):
-    """One row of an EAGLE-3 draft's chain, as eagle3.Eagle3Draft.chain_step takes it: token (1,)
+    """One row of an EAGLE-3 draft's chain, as eagle3.Eagle3Draft.chain_guess takes it: token (1,)
     fed with the state (1, dim) it pairs with, at the last of the visible slots, seeing them all
-    -> (1, dim). The visible slots' count is dynamic, as the target's graphs' is."""
+    -> the next state (1, dim) and its heads' logits (Vd,), (). The visible slots' count is
+    dynamic, as the target's graphs' is."""
     position = visible[-1:]  # (1,)
     seen = torch.ones(1, visible.shape[0], dtype=torch.bool, device=visible.device)  # (1, kv_len)
-    return draft.rows(token, state, position, position, seen)
+    state = draft.rows(token, state, position, position, seen)
+    return (state, *draft.net.heads(state[-1]))
 
 
 class CompiledTarget:

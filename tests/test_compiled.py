@@ -56,8 +56,8 @@ def test_compiled_speculation_prints_compiled_plain_tokens_and_never_recompiles(
 
 
 def test_a_compiled_eagle3_draft_steps_as_its_eager_rows_and_speculation_prints_plain_tokens(compiled, capsys):
-    """The draft's chain row compiled (bf16, as a compiled CPU run loads a draft): its state is
-    the eager forward's to bf16 rounding, speculation through it prints plain decoding's tokens,
+    """The draft's chain row compiled (bf16, as a compiled CPU run loads a draft): its state and
+    heads are the eager forward's to bf16 rounding, speculation through it prints plain decoding's tokens,
     and a second draft loads the kept graph."""
     net = eagle3_net(compiled.target, draft_vocab=512).to(torch.bfloat16)
     net.target_layers = (0, 1, 1)  # (the one-layer target's states the fixture's graphs return)
@@ -70,9 +70,10 @@ def test_a_compiled_eagle3_draft_steps_as_its_eager_rows_and_speculation_prints_
         rows = torch.randn(6, dim, dtype=torch.bfloat16)
         for d in (eager, drafted):  # (a catch-up of five rows, eager in both, then one row)
             d.chain_step(torch.tensor(PROMPT[1:6]), rows[:5], 0)
-        want, got = (d.chain_step(torch.tensor(PROMPT[6:7]), rows[5:], 5) for d in (eager, drafted))
-    assert eager.forwards == drafted.forwards == 2 and got.shape == want.shape == (1, dim)
-    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.05)
+        want, got = (d.chain_guess(torch.tensor(PROMPT[6:7]), rows[5:], 5) for d in (eager, drafted))
+    assert eager.forwards == drafted.forwards == 2 and got[0].shape == want[0].shape == (1, dim)
+    for g, w in zip(got, want):  # the state, the next guess's logits, the head's logit
+        torch.testing.assert_close(g.float(), w.float(), rtol=0.02, atol=0.05)
     plain = decode(compiled)
     torch._dynamo.utils.counters.clear()
     speculative = decode(compiled, drafted, K)
