@@ -175,21 +175,35 @@ class CompiledTarget:
         return kept_verdict(graph_key(self.target, f"{what}, {torch.get_num_threads()} threads, "
                                       f"{' '.join(self.graph_keys)}", GRAPH_CODE), check)
 
-    def block_costs(self, repeats: int = 7) -> tuple:
-        """(cost(n, context), seconds of a one-token step) as an adaptive draft takes them: every
-        block is one graph of block_len rows, so a block of any length costs the same, timed here
-        against the step (medians; a busy machine changes how much is drafted, never the output)."""
-        def median_seconds(T):
-            times = []
+    def block_costs(self, repeats: int = 9) -> tuple:
+        """(cost(n, context), seconds of a one-token step) as an adaptive draft takes them. Every
+        block is one graph of block_len rows, so a block of any length costs the same; on a CPU
+        each of its rows reads the whole context where the step reads it once, so a block costs
+        more steps at a longer context: block and step are timed, alternated (medians), at a short
+        and at a long context, each taken as linear in the context between and beyond. (A busy
+        machine changes how much is drafted, never the output.)"""
+        def medians(context: int) -> list:
+            times = {1: [], self.block_len: []}
             with torch.inference_mode():
                 for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    self(torch.zeros(1, T, dtype=torch.long), torch.arange(2, 2 + T))
-                    times.append(time.perf_counter() - t0)
-            return sorted(times)[repeats // 2]
-        step = median_seconds(1)
-        block = median_seconds(self.block_len) / step
-        return (lambda n, context: 1.0 if n == 0 else block), step
+                    for T, seconds in times.items():
+                        t0 = time.perf_counter()
+                        self(torch.zeros(1, T, dtype=torch.long), torch.arange(context, context + T))
+                        seconds.append(time.perf_counter() - t0)
+            return [sorted(seconds)[repeats // 2] for seconds in times.values()]
+        near = 2  # (a graph's key count is 2 or more)
+        far = max(near, min(512, self.max_seq_len - self.block_len)) if self.visible else near
+        (step_near, block_near), (step_far, block_far) = medians(near), medians(far)
+
+        def at(context, near_value, far_value):
+            return near_value + (far_value - near_value) * (context - near) / max(far - near, 1)
+
+        def cost(n, context):
+            if n == 0:
+                return 1.0
+            step = max(at(context, step_near, step_far), step_near)
+            return max(1.0, at(context, block_near, block_far) / step)
+        return cost, step_near
 
 
 def start_compiler() -> threading.Thread:

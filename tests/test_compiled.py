@@ -82,6 +82,27 @@ def test_a_compiled_eagle3_draft_steps_as_its_eager_rows_and_speculation_prints_
     assert compile_draft(draft()) is not None and "loaded from" in capsys.readouterr().err
 
 
+def test_compiled_block_costs_follow_the_context_each_row_reads(monkeypatch):
+    """A compiled block's rows each read the whole context, so a block costs more steps at a long
+    context: what block_costs gives an adaptive draft follows timings that grow so (a clock of
+    known costs: a step 10 ms + 1 us a key, a block of 4 rows 13 ms + 4 us a key)."""
+    import engine.compiled as EC
+    clock = [0.0]
+
+    class Timed:
+        block_len, visible, max_seq_len = 4, True, 1024
+
+        def __call__(self, tokens, input_pos):
+            context = int(input_pos[0])
+            clock[0] += (10 + 0.001 * context if tokens.shape[1] == 1 else 13 + 0.004 * context) / 1e3
+    monkeypatch.setattr(EC.time, "perf_counter", lambda: clock[0])
+    cost, step_seconds = CompiledTarget.block_costs(Timed(), repeats=3)
+    assert step_seconds == pytest.approx(10.002e-3) and cost(0, 700) == 1.0
+    for context in (2, 300, 1000, 3000):  # within the two contexts timed and past them
+        assert cost(3, context) == pytest.approx((13 + 0.004 * context) / (10 + 0.001 * context))
+    assert cost(1, 1000) == cost(3, 1000)  # (one graph: any chain pays its full block)
+
+
 def test_a_block_past_the_graph_or_a_tree_runs_the_eager_forward(compiled):
     target = compiled.target
     before = dict(torch._dynamo.utils.counters["stats"])
