@@ -167,10 +167,10 @@ def eagle3_target_side(net: Eagle3, target, batch, head_weight, captured_layers:
 
 
 def eagle3_loss(net: Eagle3, target, batch, settings: LossSettings, K: int, head_weight=None,
-                captured_layers: tuple = ()):
+                captured_layers: tuple = (), chains=eagle3_chains):
     """EAGLE-3's training-time test on one batch, as K-step chains from the base positions whose
     chain predicts at least one response token; the loss is a mean over those chains. head_weight
-    and captured_layers: as DraftLoss takes them."""
+    and captured_layers: as DraftLoss takes them; chains: eagle3_chains, or it compiled."""
     head_weight = target.lm_head.weight if head_weight is None else head_weight
     tokens, response = batch[0], batch[1].bool()
     T = tokens.shape[1]
@@ -183,7 +183,7 @@ def eagle3_loss(net: Eagle3, target, batch, settings: LossSettings, K: int, head
     valid = (predicted < T) & response[:, predicted.clamp(max=T - 1)]  # (B, T, K)
     b, t = valid.any(-1).nonzero(as_tuple=True)  # (N,) each: the chains that carry loss
     # (N, K, Vd), (N, K)
-    logits, heads = eagle3_chains(net, target.embed_tokens, tokens, features, b, t, K)
+    logits, heads = chains(net, target.embed_tokens, tokens, features, b, t, K)
     source = (t[:, None] + 1 + step).clamp(max=T - 1)  # (N, K)
     return objective(logits, heads, target_logp[b[:, None], source], valid[b, t], settings,
                      eagle3_decay, native="soft",
@@ -239,11 +239,15 @@ class DraftLoss(torch.nn.Module):
     head_weight: the target's output head as a plain (V, dim) tensor, default its lm_head's weight
     (a CPU engine's packed or quantized head has no autograd: the caller hands a dense copy).
     captured_layers: the target layers a captured corpus's features hold, in order (batches
-    from a corpus carry them; on-the-fly batches do not)."""
+    from a corpus carry them; on-the-fly batches do not). compiled: EAGLE-3's training-time test
+    runs as one graph (torch.compile, dynamic shapes: batches differ in length and in how many
+    chains carry loss), which trains the same numbers to rounding (docs/train-compile); the loss's
+    statistics read values to the host and stay eager, as does DFlash's block forward."""
 
     def __init__(self, net, target, settings: LossSettings, ttt_steps: int, blocks_per_seq: int,
-                 head_weight: torch.Tensor | None = None, captured_layers: tuple = ()):
+                 head_weight: torch.Tensor | None = None, captured_layers: tuple = (), compiled: bool = False):
         super().__init__()
+        self.chains = torch.compile(eagle3_chains, dynamic=True) if compiled else eagle3_chains
         # (a tuple: a module attribute would make the target's tensors parameters of this module)
         self.frozen = (target, target.lm_head.weight if head_weight is None else head_weight)
         self.net, self.settings, self.captured_layers = net, settings, tuple(captured_layers)
@@ -253,6 +257,6 @@ class DraftLoss(torch.nn.Module):
         target, head_weight = self.frozen
         if isinstance(self.net, Eagle3):
             return eagle3_loss(self.net, target, batch, self.settings, self.ttt_steps, head_weight,
-                               self.captured_layers)
+                               self.captured_layers, self.chains)
         return dflash_loss(self.net, target, batch, self.settings, self.blocks_per_seq, head_weight,
                            self.captured_layers)

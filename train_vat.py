@@ -82,6 +82,7 @@ GPU_DEFAULTS = dict(features="on-the-fly", steps=2000, batch_size=8, seq_len=384
                     eval_every=250, save_every=100)
 CPU_DEFAULTS = dict(features="captured", steps=150, batch_size=4, seq_len=320, draft_vocab=4096,
                     eval_every=50, save_every=25)
+COMPILE_MIN_STEPS = 100  # (--compile auto)
 QUICK = dict(steps=2, batch_size=2, seq_len=128, draft_vocab=1024, eval_every=2, save_every=1, num_prompts=12,
              self_prompts=0, response_tokens=24, gen_batch=12, eval_prompts=2)
 
@@ -170,6 +171,10 @@ def add_schedule_args(ap):
     g.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for real tau")
     g.add_argument("--eval-k", type=int, default=7)
     g.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
+    g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                   help="EAGLE-3's training-time test as one compiled graph: the same losses to rounding, "
+                        f"faster where measured (docs/train-compile); auto: on for schedules of {COMPILE_MIN_STEPS} "
+                        "steps or more, which repay the compile's tens of seconds. DFlash drafts train eagerly")
     g.add_argument("--keep-every", type=int, default=0,
                    help="also keep the checkpoints at multiples of this step (0: only the newest two), "
                         "to measure a learning curve on test prompts afterwards")
@@ -229,6 +234,8 @@ def complete_args(ap, args):
         if getattr(args, name) is None:
             setattr(args, name, value)
     check_settings(ap, args)
+    if args.compile == "on" and args.draft == "dflash":
+        ap.error("--compile on compiles EAGLE-3's training-time test; a DFlash draft trains eagerly (--compile off)")
     name = f"{args.target.replace('/', '_')}-{args.draft}-{args.objective}" + ("-quick" if args.quick else "")
     args.out = Path(args.out or ROOT / "runs" / name)
     if args.out.exists() and not args.out.is_dir():
@@ -452,8 +459,16 @@ def main(argv=None):
                          f"(a later --stop-at, or none, continues it)")
     target.setup_caches(args.batch_size, args.seq_len)  # training forwards: one batch of sequences
     # the head as a plain tensor (a packed CPU weight has no autograd); a corpus's features' layers
+    # (decided by the whole schedule, so that every chunk of a run trains alike: a resumed run is
+    # the uninterrupted one)
+    compiled = args.draft == "eagle3" and (args.compile == "on" or args.compile == "auto" and
+                                           args.steps >= COMPILE_MIN_STEPS)
     model = DraftLoss(net, target, loss_settings(args), args.ttt_steps, args.blocks_per_seq,
-                      head_weight=LF.dense_weight(target.lm_head), captured_layers=corpus.layers if corpus else ())
+                      head_weight=LF.dense_weight(target.lm_head), captured_layers=corpus.layers if corpus else (),
+                      compiled=compiled)
+    if compiled and rank == 0:
+        print("note: EAGLE-3's training-time test is compiled (--compile): its first steps compile it, "
+              "tens of seconds", file=sys.stderr)
     if world > 1:  # gradients of the draft are averaged across processes; the target is never all-reduced
         model = torch.nn.parallel.DistributedDataParallel(model)
     # the batches in the seed's order, past the `step` ones a resumed run trained: the same batches as

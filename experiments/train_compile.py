@@ -1,6 +1,6 @@
 """
 Whether torch.compile makes an EAGLE-3 draft's training step faster on this machine, and whether
-it trains the same numbers. One step is what train_vat.py runs on a CPU by default: a batch of
+it trains the same numbers (train_vat.py --compile on against --compile off). One step is what train_vat.py runs on a CPU by default: a batch of
 captured features (batch 4 x 320 tokens, its corpus's default), the training-time test of 7 steps
 (eagle3.eagle3_chains), the loss (objectives.DraftLoss), backward and an AdamW step. Compiled, the
 training-time test is one graph (dynamic shapes: a corpus's batches differ in length and in how
@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modu
 
 import torch
 
-import objectives
 from engine import linear_forms as LF
 from engine.checkpoints import load_draft
 from engine.layouts import experiment_layout, load_target
@@ -74,19 +73,15 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(0)
     batches = [captured_batch(target, layers, args.batch_size, args.seq_len, generator)
                for _ in range(args.steps + 2)]
-    eager_chains = objectives.eagle3_chains
-    compiled_chains = torch.compile(eager_chains, dynamic=True)
     runs = {}
-    for name in ("eager", "compiled"):
+    for name in ("eager", "compiled"):  # (compiled as train_vat.py --compile on compiles it)
         trained = copy.deepcopy(net).train()
-        runs[name] = {"net": trained, "chains": eager_chains if name == "eager" else compiled_chains,
-                      "loss": DraftLoss(trained, target, LossSettings(), 7, 4, head_weight=head_weight,
-                                        captured_layers=layers),
+        runs[name] = {"loss": DraftLoss(trained, target, LossSettings(), 7, 4, head_weight=head_weight,
+                                        captured_layers=layers, compiled=name == "compiled"),
                       "opt": torch.optim.AdamW(trained.parameters(), lr=1e-4, betas=(0.9, 0.95)),
                       "seconds": [], "losses": []}
 
     def train_step(run, batch) -> tuple:
-        objectives.eagle3_chains = run["chains"]  # (the loss calls it by objectives' name)
         t0 = time.perf_counter()
         loss, stats = run["loss"](*batch)
         run["opt"].zero_grad(set_to_none=True)
@@ -95,20 +90,17 @@ def main(argv=None):
         return time.perf_counter() - t0, stats["loss"]
 
     first_seconds = {}
-    try:
-        for i, batch in enumerate(batches):
-            for name, run in runs.items():  # alternated: drift falls on both
-                seconds, loss = train_step(run, batch)
-                if i < 2:
-                    first_seconds.setdefault(name, []).append(seconds)
-                    continue
-                run["seconds"].append(seconds)
-                run["losses"].append(loss)
-            print(f"step {i + 1}/{len(batches)}: " + ", ".join(
-                f"{name} {run['losses'][-1] if run['losses'] else float('nan'):.4f}" for name, run in runs.items()),
-                file=sys.stderr)
-    finally:
-        objectives.eagle3_chains = eager_chains
+    for i, batch in enumerate(batches):
+        for name, run in runs.items():  # alternated: drift falls on both
+            seconds, loss = train_step(run, batch)
+            if i < 2:
+                first_seconds.setdefault(name, []).append(seconds)
+                continue
+            run["seconds"].append(seconds)
+            run["losses"].append(loss)
+        print(f"step {i + 1}/{len(batches)}: " + ", ".join(
+            f"{name} {run['losses'][-1] if run['losses'] else float('nan'):.4f}" for name, run in runs.items()),
+            file=sys.stderr)
     eager_s, compiled_s = (statistics.median(runs[n]["seconds"]) for n in ("eager", "compiled"))
     differences = [abs(a - b) / abs(a) for a, b in zip(runs["eager"]["losses"], runs["compiled"]["losses"])]
     result = {"machine": machine_stamp("cpu"),
@@ -118,6 +110,9 @@ def main(argv=None):
               "step_seconds": {"eager": eager_s, "compiled": compiled_s},
               "first_two_steps_seconds": first_seconds,
               "compiled_over_eager_speed": eager_s / compiled_s,
+              # what dynamo compiled: graphs, and the breaks that split them
+              "dynamo": {"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                         "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values())},
               "losses": {name: run["losses"] for name, run in runs.items()},
               "largest_relative_loss_difference": max(differences)}
     out = write_results(args.out, result)

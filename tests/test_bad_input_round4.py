@@ -74,6 +74,8 @@ def test_settings_that_would_be_ignored_or_blame_another_are_refused(capsys):
     assert "--corpus-batches cuts a captured corpus" in err
     err = one_line_exit(capsys, lambda: TV.get_args(["--device", "cpu", "--data", ""]))
     assert "names no prompt file and no self-written prompts" in err and "--eval-prompts" not in err
+    err = one_line_exit(capsys, lambda: TV.get_args(["--device", "cpu", "--draft", "dflash", "--compile", "on"]))
+    assert "a DFlash draft trains eagerly" in err
 
 
 def test_every_refusal_of_train_vat_is_one_line(capsys):

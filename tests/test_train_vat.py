@@ -281,6 +281,39 @@ def test_draft_gradients_through_a_packed_target_equal_the_plain_ones(tiny_dir, 
         assert torch.allclose(grads[1][name], g, rtol=1e-3, atol=1e-5), name
 
 
+@pytest.mark.slow  # (a minute where inductor's cache is cold, as on a fresh machine)
+def test_a_compiled_training_time_test_trains_the_eager_numbers(tiny_dir):
+    """train_vat.py --compile: EAGLE-3's training-time test compiled gives the eager loss and
+    gradients to rounding, on batches of two lengths (one graph with dynamic shapes: no
+    recompile for the second)."""
+    target = WT.load_model(tiny_dir("qwen3_untied"))
+    target.setup_caches(2, 40)
+    net = eagle3_net(target).train()
+    batches = []
+    for T in (24, 31):
+        torch.manual_seed(T)
+        tokens, mask = torch.randint(0, 96, (2, T)), torch.zeros(2, T)
+        mask[:, 6:] = 1
+        batches.append((tokens, mask))
+    settings = OB.LossSettings(frozenset(TV.VAT_PARTS))
+    eager, compiled = (OB.DraftLoss(net, target, settings, ttt_steps=3, blocks_per_seq=2, compiled=c) for c in (False, True))
+    torch._dynamo.utils.counters.clear()
+    for batch in batches:
+        results = []
+        for loss_of in (eager, compiled):
+            net.zero_grad(set_to_none=True)
+            loss, stats = loss_of(*batch)
+            loss.backward()
+            results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in net.named_parameters()}))
+        (want, want_stats, want_grads), (got, got_stats, got_grads) = results
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert got_stats["sim_tau"] == want_stats["sim_tau"] and got_stats["head_acc"] == want_stats["head_acc"]
+        for name, g in want_grads.items():
+            torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["recompiles"], dict(counters)
+
+
 @pytest.mark.parametrize("draft", ["eagle3", "dflash"])
 def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, draft):
     """Training in chunks (stopped mid-epoch after a save, continued with --resume) gives the
