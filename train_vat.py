@@ -172,9 +172,9 @@ def add_schedule_args(ap):
     g.add_argument("--eval-k", type=int, default=7)
     g.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
     g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="EAGLE-3's training-time test as one compiled graph: the same losses to rounding, "
-                        f"faster where measured (docs/train-compile); auto: on for schedules of {COMPILE_MIN_STEPS} "
-                        "steps or more, which repay the compile's tens of seconds. DFlash drafts train eagerly")
+                   help="compile EAGLE-3's training-time test (the same losses to rounding: docs/train-compile); "
+                        f"auto: on for schedules of {COMPILE_MIN_STEPS} steps or more, which repay the compile. "
+                        "DFlash drafts train eagerly")
     g.add_argument("--keep-every", type=int, default=0,
                    help="also keep the checkpoints at multiples of this step (0: only the newest two), "
                         "to measure a learning curve on test prompts afterwards")

@@ -116,8 +116,9 @@ def wall_clock(device: str):
 
 
 def wants_compile(flag: str, device: str) -> bool:
-    """--compile auto|on|off: auto compiles on CUDA only. On a CPU a compiled run's start costs more
-    than its steps save on an answer of a few hundred tokens (docs/compiled)."""
+    """--compile auto|on|off: auto compiles on CUDA only. On a CPU the first run compiles for
+    minutes, and compiled kernels round otherwise than eager ones, so a default that compiled once
+    graphs were kept would print other text than before (docs/compiled)."""
     return flag == "on" or (flag == "auto" and device.startswith("cuda"))
 
 
@@ -189,8 +190,9 @@ MACHINE_OPTIONS = {
                        "one-token step was timed fastest here (bf16 on CUDA; README: weight layouts); int8 and "
                        "int4 change the model a little"),
     "compile": dict(default="auto", choices=("auto", "on", "off"),
-                    help="torch.compile the step and the verification block (engine/compiled.py); auto: on for "
-                         "CUDA only, since on a CPU every start compiles for tens of seconds (docs/compiled)"),
+                    help="torch.compile the step, the verification block and an EAGLE-3 draft's row; auto: on CUDA "
+                         "only, since on a CPU a first run compiles for minutes and prints other text than eager "
+                         "(docs/compiled)"),
     "threads": dict(default="auto", help="CPU threads; auto: one per core idle at the start (a thread on a busy "
                                          "core stalls the others: time with nothing else running)"),
 }
