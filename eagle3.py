@@ -115,7 +115,8 @@ class Eagle3Draft(Draft):
         self.cos, self.sin = M.rope_table(net.args, max_seq_len, weight.device, weight.dtype)
         self.forwards = 0
         self.row_graph = None  # a chain's one-row step compiled (engine.compiled.compile_draft)
-        self.slots = torch.arange(max_seq_len, device=weight.device)  # (a slice carries a graph's key count)
+        # (a slice of it carries a compiled graph's key count)
+        self.slots = torch.arange(max_seq_len, device=weight.device)
 
     def start(self, prompt_ids, features=None):
         self.cache_len = 0
@@ -151,7 +152,8 @@ class Eagle3Draft(Draft):
 
     def chain_guess(self, tokens, hidden, pos: int):
         """chain_step's last state and its heads, the next guess's logits: (1, dim), (Vd,), ().
-        One row runs the compiled graph where the run compiled one (engine.compiled.compile_draft)."""
+        One row runs the compiled graph where the run compiled one (engine.compiled's
+        compile_draft)."""
         if len(tokens) == 1 and self.row_graph is not None and pos >= 1:
             self.forwards += 1
             return self.row_graph(self, tokens, hidden, self.slots[:pos + 1])
@@ -188,7 +190,8 @@ class Eagle3Draft(Draft):
             tokens.append(token)
             dists.append(q)
             if j + 1 < k:
-                state, logits, head_logit = self.chain_guess(token.view(1), state, self.cache_len + j)
+                state, logits, head_logit = self.chain_guess(token.view(1), state,
+                                                             self.cache_len + j)
         if not tokens:
             return no_tokens()
         return torch.stack(tokens), torch.stack(dists)

@@ -245,7 +245,8 @@ class DraftLoss(torch.nn.Module):
     statistics read values to the host and stay eager, as does DFlash's block forward."""
 
     def __init__(self, net, target, settings: LossSettings, ttt_steps: int, blocks_per_seq: int,
-                 head_weight: torch.Tensor | None = None, captured_layers: tuple = (), compiled: bool = False):
+                 head_weight: torch.Tensor | None = None, captured_layers: tuple = (),
+                 compiled: bool = False):
         super().__init__()
         self.chains = torch.compile(eagle3_chains, dynamic=True) if compiled else eagle3_chains
         # (a tuple: a module attribute would make the target's tensors parameters of this module)
