@@ -391,7 +391,8 @@ def plain_default():
     [],  # the default: adaptive prompt lookup
     pytest.param(["--no-adaptive"], marks=pytest.mark.slow),  # (lookup every step: in the report's runs too)
     ["--tree", "8"],
-    ["--draft", "drafts/smollm2-135m-eagle3-vat", "--early-exit"],
+    # (the bare flag is the default: test_a_trained_draft_drafts_adaptively_and_exits_early_by_default)
+    pytest.param(["--draft", "drafts/smollm2-135m-eagle3-vat", "--early-exit"], marks=pytest.mark.slow),
     ["--draft", "drafts/smollm2-135m-eagle3-gsm8k-2ep", "--early-exit-signal", "confidence", "--no-adaptive"],
     ["--draft", "drafts/smollm2-135m-eagle3-chat"],  # the lossy verifiers' default draft, adaptive
     ["--draft", "drafts/smollm2-135m-eagle3-gsm8k-2ep", "--tree", "16"],
