@@ -458,11 +458,11 @@ def main(argv=None):
         raise ValueError(f"--stop-at {args.stop_at} lies behind the checkpoint's step {step}: nothing to train "
                          f"(a later --stop-at, or none, continues it)")
     target.setup_caches(args.batch_size, args.seq_len)  # training forwards: one batch of sequences
-    # the head as a plain tensor (a packed CPU weight has no autograd); a corpus's features' layers
-    # (decided by the whole schedule, so that every chunk of a run trains alike: a resumed run is
-    # the uninterrupted one)
+    # compiled or not by the whole schedule, so that every chunk of a run trains alike (a resumed
+    # run is the uninterrupted one)
     compiled = args.draft == "eagle3" and (args.compile == "on" or args.compile == "auto" and
                                            args.steps >= COMPILE_MIN_STEPS)
+    # the head as a plain tensor (a packed CPU weight has no autograd); a corpus's features' layers
     model = DraftLoss(net, target, loss_settings(args), args.ttt_steps, args.blocks_per_seq,
                       head_weight=LF.dense_weight(target.lm_head), captured_layers=corpus.layers if corpus else (),
                       compiled=compiled)

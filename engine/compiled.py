@@ -229,36 +229,42 @@ def compile_target(target, block_len: int, hidden_layers=(), device: str = "cpu"
         compiler.join()
     compiled = CompiledTarget(target, block_len, hidden_layers, "default" if device == "cpu" else "reduce-overhead")
     for what, prepare in compiled.graphs():
-        print(f"note: --compile on: the {what}", end="", file=sys.stderr, flush=True)
-        seconds, loaded = prepare()
-        compiled.compile_seconds[what] = seconds
-        where = f"loaded from {GRAPH_CACHE}" if loaded else \
-            f"compiled; kept in {GRAPH_CACHE} for later runs" if compiled.visible else "compiled"
-        print(f" ({where}, {seconds:.0f} s)", file=sys.stderr)
+        compiled.compile_seconds[what] = announced(what, prepare, kept=compiled.visible)
     return compiled
+
+
+def announced(what: str, prepare, kept: bool = True) -> float:
+    """prepare() (-> (seconds, loaded)) with a line on stderr saying what it is doing, whether the
+    graph was loaded or compiled (kept: and kept on disk) and how long it took; -> the seconds."""
+    print(f"note: --compile on: the {what}", end="", file=sys.stderr, flush=True)
+    seconds, loaded = prepare()
+    where = f"loaded from {GRAPH_CACHE}" if loaded else \
+        f"compiled; kept in {GRAPH_CACHE} for later runs" if kept else "compiled"
+    print(f" ({where}, {seconds:.0f} s)", file=sys.stderr)
+    return seconds
 
 
 def compile_draft(draft) -> float | None:
     """A CPU run's EAGLE-3 draft (alone or behind lookup) with the one-row step of its chains
-    compiled, loaded from the graph cache or compiled and kept there, with a line on stderr as
-    compile_target's; returns its seconds, or None where the run has no such draft (DFlash drafts
-    a block in one forward and an independent model steps as the target's eager forward does:
-    both run eagerly). On CUDA drafts run eagerly."""
+    compiled, loaded from the graph cache or compiled and kept there, announced as the target's
+    graphs are; returns its seconds, or None where the run has no such draft (DFlash drafts a block
+    in one forward and an independent model steps as the target's eager forward does: both run
+    eagerly). On CUDA drafts run eagerly."""
     inner = getattr(draft, "model_draft", draft)
     if not isinstance(inner, eagle3.Eagle3Draft) or inner.slots.device.type != "cpu":
         return None
-    print("note: --compile on: the draft's one-token step", end="", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    unpack(inner.net)
-    weight = inner.net.fc.weight
-    token = torch.zeros(1, dtype=torch.long)
-    state = torch.zeros(1, inner.net.args.dim, dtype=weight.dtype)
-    visible = inner.slots[:3]  # (an example writes cache slot 2, which the prompt's catch-up rewrites)
-    torch._dynamo.mark_dynamic(visible, 0)
-    reads = torch.nn.ModuleDict({"net": inner.net, "embed": inner.embed, "cache": inner.cache})
-    key = graph_key(reads, f"EAGLE-3 chain row, rope {tuple(inner.cos.shape)} {inner.cos.dtype}", GRAPH_CODE + (eagle3,))
-    inner.row_graph, loaded = compiled_graph(draft_chain_row, (inner, token, state, visible), key, CPU_OPTIONS)
-    seconds = time.perf_counter() - t0
-    where = f"loaded from {GRAPH_CACHE}" if loaded else f"compiled; kept in {GRAPH_CACHE} for later runs"
-    print(f" ({where}, {seconds:.0f} s)", file=sys.stderr)
-    return seconds
+
+    def prepare():
+        t0 = time.perf_counter()
+        unpack(inner.net)
+        token = torch.zeros(1, dtype=torch.long)
+        state = torch.zeros(1, inner.net.args.dim, dtype=inner.net.fc.weight.dtype)
+        visible = inner.slots[:3]  # (an example writes cache slot 2, which the prompt's catch-up rewrites)
+        torch._dynamo.mark_dynamic(visible, 0)
+        reads = torch.nn.ModuleDict({"net": inner.net, "embed": inner.embed, "cache": inner.cache})
+        key = graph_key(reads, f"EAGLE-3 chain row, rope {tuple(inner.cos.shape)} {inner.cos.dtype}",
+                        GRAPH_CODE + (eagle3,))
+        inner.row_graph, loaded = compiled_graph(draft_chain_row, (inner, token, state, visible), key,
+                                                 CPU_OPTIONS)
+        return time.perf_counter() - t0, loaded
+    return announced("draft's one-token step", prepare)
