@@ -65,6 +65,8 @@ def test_a_compiled_eagle3_draft_steps_as_its_eager_rows_and_speculation_prints_
         return Eagle3Draft(net, compiled.target.embed_tokens, compiled.max_seq_len)
     eager, drafted = draft(), draft()
     assert compile_draft(drafted) is not None and "compiled; kept in" in capsys.readouterr().err
+    graph, graph_calls = drafted.row_graph, []  # (counted: an eager fallback would pass the rest)
+    drafted.row_graph = lambda *args: graph_calls.append(1) or graph(*args)
     dim = net.args.dim
     with torch.inference_mode():
         rows = torch.randn(6, dim, dtype=torch.bfloat16)
@@ -78,6 +80,7 @@ def test_a_compiled_eagle3_draft_steps_as_its_eager_rows_and_speculation_prints_
     torch._dynamo.utils.counters.clear()
     speculative = decode(compiled, drafted, K)
     assert speculative["tokens"] == plain["tokens"] and drafted.forwards > 2 + plain["target_forwards"] // 2
+    assert len(graph_calls) > plain["target_forwards"] // 2  # the chains' rows ran the graph
     assert not torch._dynamo.utils.counters["recompiles"]
     assert compile_draft(draft()) is not None and "loaded from" in capsys.readouterr().err
 
