@@ -544,10 +544,10 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
     which) | NAME_OR_PATH of an independent model sharing the target's tokenizer | lookup+ANY OF
     THOSE (HybridDraft: lookup where it matches, the draft elsewhere). early_exit: a threshold,
     'auto' (the threshold the draft's config records), or None; exit_signal: what it reads
-    (draft.EXIT_SIGNALS). A draft takes the target's dtype
-    (an EAGLE-3 draft on a CPU: float32, or bf16 where the run compiles it and the CPU multiplies
-    bf16), and oneDNN's layout unless the target's layout is an unpacked one (pack=None) or pack
-    says otherwise."""
+    (draft.EXIT_SIGNALS). A draft takes the target's dtype (an EAGLE-3 draft on a CPU: float32,
+    or bf16 where the run compiles it and the CPU multiplies bf16; compile_draft then gives its
+    layer int8 weights), and oneDNN's layout unless the target's layout is an unpacked one
+    (pack=None) or pack says otherwise."""
     if pack is None:
         pack = getattr(target, "layout", "float32-packed") not in ("float32", "bfloat16")
     if spec == "lookup":
@@ -568,9 +568,10 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
         # are a few MB, and bf16's oneDNN kernels are built anew for each row count a process
         # meets, once each; an adaptive draft catches up on a new number of pairs at most
         # proposals, and in a short answer building those kernels costs more than the draft's forwards.
-        # A compiled run's draft steps one row in a graph, which builds no kernels at run time and
-        # reads half of fp32's bytes in bf16 (a drafted token waits on its weights' bytes:
-        # docs/draft-cost); its few multi-row catch-up shapes build theirs once.
+        # A compiled run's draft steps one row in a graph, which builds no kernels at run time, its
+        # activations in bf16 and its weights in int8 (engine.compiled.compile_draft: a drafted
+        # token waits on its weights' bytes, docs/draft-cost); its few multi-row catch-up shapes
+        # build theirs once.
         cpu_eagle3 = kind == "eagle3" and target.embed_tokens.weight.device.type == "cpu"
         fp32 = cpu_eagle3 and not (compiled and LF.packable(torch.bfloat16))
         dtype = torch.float32 if fp32 else torch.bfloat16 if cpu_eagle3 else None

@@ -1,11 +1,11 @@
 """
 What one drafted token costs, in target steps: an EAGLE-3 draft's token (its heads, the argmax and
 its one-token forward, eagle3.Eagle3Draft.step) timed against the target's one-token step, eager
-and compiled (engine/compiled.py), with the draft's weights in fp32 and in bf16, and the token
-decode.py --compile on drafts (the draft as it builds and compiles it: bf16 where the CPU
-multiplies bf16, its chain row compiled). A chain of k tokens costs k of these on top of its
-verification block, so this is what decides whether compiling the draft can make it pay where
-blocks are dear: a compiled chain of COMPILED_K beats plain decoding only where its tau exceeds
+and compiled (engine/compiled.py), with the draft's weights in fp32, bf16 and int8, and the token
+decode.py --compile on drafts (the draft as it builds and compiles it: bf16 activations where the
+CPU multiplies bf16, int8 weights, its chain row compiled). A chain of k tokens costs k of these on
+top of its verification block, so this is what decides whether compiling the draft can make it
+pay where blocks are dear: a compiled chain of COMPILED_K beats plain decoding only where its tau exceeds
 its block's cost plus its tokens', both recorded here in target steps.
 
     python experiments/draft_cost.py --out docs/draft-cost/draft-cost.json
@@ -25,6 +25,7 @@ import torch
 from engine.checkpoints import build_draft
 from engine.compiled import COMPILED_K, CPU_OPTIONS, cache_slots, compile_draft, compile_target
 from engine.layouts import layout_of, load_target
+from engine.linear_forms import Int8Linear, quantize_int8
 from engine.machine import ArgumentParser, pick_threads
 from engine.weights import DEFAULT_TARGET, resolve_model
 from harness.results import machine_stamp, unwritable, write_results
@@ -92,9 +93,13 @@ def main(argv=None):
         step_s = median_seconds(lambda: compiled(torch.tensor([[ids[-1]]]), visible[-1:]), args.repeats)
         block_steps = compiled.block_costs(args.repeats)[0](COMPILED_K, args.context)
         rows = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            draft.net.to(dtype)
-            state = torch.zeros(1, draft.net.args.dim, dtype=dtype)
+        for form in ("float32", "bfloat16", "int8"):  # (int8: weights of the layer and head, bf16 activations)
+            if form == "int8":
+                quantize_int8(draft.net.midlayer)
+                draft.net.lm_head = Int8Linear(draft.net.lm_head)
+            else:
+                draft.net.to(getattr(torch, form))
+            state = torch.zeros(1, draft.net.args.dim, dtype=draft.net.fc.weight.dtype)
             call = token_call(draft)
             graph = torch.compile(call, fullgraph=True, options=CPU_OPTIONS)
 
@@ -103,7 +108,7 @@ def main(argv=None):
                 return graph(state, visible)
             for mode, timed in (("eager", lambda: call(state, visible)), ("compiled", compiled_call)):
                 seconds = median_seconds(timed, args.repeats)
-                rows[f"{str(dtype).removeprefix('torch.')} {mode}"] = {
+                rows[f"{form} {mode}"] = {
                     "ms": seconds * 1e3, "compiled_target_steps": seconds / step_s,
                     "eager_target_steps": seconds / eager_step_s}
         # the drafted token decode.py --compile on runs: the draft built and compiled as it builds
@@ -119,7 +124,9 @@ def main(argv=None):
                 product.propose(k)
             return call
         token_s = (median_seconds(proposal(5), args.repeats) - median_seconds(proposal(1), args.repeats)) / 4
-        rows[f"decode.py --compile on ({str(product.net.fc.weight.dtype).removeprefix('torch.')})"] = {
+        form = "int8 weights" if isinstance(product.net.lm_head, Int8Linear) else "its dtype's weights"
+        activations = str(product.net.fc.weight.dtype).removeprefix('torch.')
+        rows[f"decode.py --compile on ({activations} activations, {form})"] = {
             "ms": token_s * 1e3, "compiled_target_steps": token_s / step_s, "eager_target_steps": token_s / eager_step_s,
             "compile_seconds": seconds}
     result = {"machine": machine_stamp("cpu"),

@@ -56,9 +56,10 @@ def test_compiled_speculation_prints_compiled_plain_tokens_and_never_recompiles(
 
 
 def test_a_compiled_eagle3_draft_steps_as_its_eager_rows_and_speculation_prints_plain_tokens(compiled, capsys):
-    """The draft's chain row compiled (bf16, as a compiled CPU run loads a draft): its state and
-    heads are the eager forward's to bf16 rounding, speculation through it prints plain decoding's tokens,
-    and a second draft loads the kept graph."""
+    """The draft's chain row compiled (bf16 activations, as a compiled CPU run loads a draft, and
+    the int8 weights compile_draft gives it): its state and heads are the eager forward's to bf16
+    rounding, speculation through it prints plain decoding's tokens, and a second draft loads the
+    kept graph."""
     net = eagle3_net(compiled.target, draft_vocab=512).to(torch.bfloat16)
     net.target_layers = (0, 1, 1)  # (the one-layer target's states the fixture's graphs return)
     def draft():
