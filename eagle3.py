@@ -117,6 +117,7 @@ class Eagle3Draft(Draft):
         self.row_graph = None  # a chain's one-row step compiled (engine.compiled.compile_draft)
         # (a slice of it carries a compiled graph's key count)
         self.slots = torch.arange(max_seq_len, device=weight.device)
+        self.target_ids = net.draft_to_target()  # (Vd,): draft id -> target id
 
     def start(self, prompt_ids, features=None):
         self.cache_len = 0
@@ -185,16 +186,19 @@ class Eagle3Draft(Draft):
                     exit_probability(self.exit_signal, logits, head_logit).item() < self.early_exit:
                 break  # the head (or the draft's confidence) expects this token rejected: stop here
             self.proposal_head_logits.append(head_logit)
-            q = net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))  # (V,)
-            token = sample(q, self.temperature, self.generator)
+            if self.temperature <= 0:  # the argmax, on its target id: q one-hot there (None)
+                token = self.target_ids[logits.argmax()]
+            else:
+                q = net.to_target_probs(probs_from_logits(logits, self.temperature, self.top_p))
+                token = sample(q, self.temperature, self.generator)  # q (V,)
+                dists.append(q)
             tokens.append(token)
-            dists.append(q)
             if j + 1 < k:
                 state, logits, head_logit = self.chain_guess(token.view(1), state,
                                                              self.cache_len + j)
         if not tokens:
             return no_tokens()
-        return torch.stack(tokens), torch.stack(dists)
+        return torch.stack(tokens), torch.stack(dists) if dists else None
 
     def feed_nodes(self, expand: list, tokens: list, parents: list, slots: dict, state_of: dict,
                    base: int, d: int) -> torch.Tensor:

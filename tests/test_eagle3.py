@@ -37,6 +37,16 @@ def test_eagle3_training_forward_equals_inference_chain(target):
                                      torch.tensor([0]), torch.tensor([t]), K)  # the one chain at base t
     train_q = net.to_target_probs(F.softmax(logits[0], -1))  # (K, V)
     assert torch.allclose(train_q, q, atol=1e-5)
+    # at T = 0 the chain is the training forward's argmax chain, each on its target id, and
+    # deterministic (q None: one-hot at the guess)
+    greedy = Eagle3Draft(net, target.embed_tokens, 128)
+    greedy.start(prompt, features(target, torch.tensor([prompt[:-1]]), layers)[0])
+    tokens, q = greedy.propose(K)
+    full = torch.tensor([prompt + tokens.tolist()])
+    with torch.no_grad():
+        logits, _ = eagle3_chains(net, target.embed_tokens, full, features(target, full, layers),
+                                  torch.tensor([0]), torch.tensor([t]), K)
+    assert q is None and tokens.tolist() == net.draft_to_target()[logits[0].argmax(-1)].tolist()
 
 
 @pytest.mark.parametrize("fmt", ["bin", "safetensors"])
