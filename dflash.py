@@ -161,7 +161,6 @@ class DFlashDraft(Draft):
         logits, head_logits = net.heads(
             h[0, 1 : k + 1], self.lm_head
         )  # position i predicts the token at anchor_pos + i
-        probs = probs_from_logits(logits, self.temperature, self.top_p)  # (k, V)
         n = k
         if (
             self.early_exit is not None
@@ -173,7 +172,10 @@ class DFlashDraft(Draft):
         self.proposal_head_logits = [head_logits[:n]]
         if n == 0:
             return no_tokens()
-        return sample(probs[:n], self.temperature, self.generator), probs[:n]
+        if self.temperature <= 0:  # the argmax: q one-hot there (None)
+            return logits[:n].argmax(-1), None
+        probs = probs_from_logits(logits[:n], self.temperature, self.top_p)  # (n, V)
+        return sample(probs, self.temperature, self.generator), probs
 
     def commit(self, new_ids, n_accepted, features=None):
         self.proposal_head_logits = ()

@@ -42,6 +42,10 @@ def test_dflash_training_forward_equals_inference(target):
         logits, _ = dflash_blocks(net, target.embed_tokens, target.lm_head, full, features(target, full, layers),
                                      torch.tensor([[a, 2]]))  # a second block must not disturb the first
     assert torch.allclose(F.softmax(logits[0, 0], -1), q, atol=1e-5)
+    greedy = DFlashDraft(net, target.embed_tokens, target.lm_head, 128)  # T = 0: the argmax, q None
+    greedy.start(seq[:a + 1], features(target, torch.tensor([seq[:a]]), layers)[0])
+    tokens, q = greedy.propose(net.block_size - 1)
+    assert q is None and tokens.tolist() == logits[0, 0].argmax(-1).tolist()
 
 
 def test_dflash_greedy_speculative_equals_plain(target):
@@ -71,7 +75,8 @@ def test_dflash_release_layout_round_trips(target, tmp_path):
     feats = features(target, torch.tensor([prompt[:-1]]), layers)[0]
     outs = []
     for n in (net, loaded):
-        d = DFlashDraft(n, target.embed_tokens, target.lm_head, 128)
+        d = DFlashDraft(n, target.embed_tokens, target.lm_head, 128, temperature=1.0,
+                        generator=torch.Generator().manual_seed(0))  # (T > 0: q is the whole distribution)
         d.start(prompt, feats)
         outs.append(d.propose(5))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
