@@ -5,8 +5,10 @@ and compiled (engine/compiled.py), with the draft's weights in fp32, bf16 and in
 decode.py --compile on drafts (the draft as it builds and compiles it: bf16 activations where the
 CPU multiplies bf16, int8 weights, its chain row compiled). A chain of k tokens costs k of these on
 top of its verification block, so this is what decides whether compiling the draft can make it
-pay where blocks are dear: a compiled chain of COMPILED_K beats plain decoding only where its tau exceeds
-its block's cost plus its tokens', both recorded here in target steps.
+pay where blocks are dear: a compiled chain of COMPILED_K beats plain decoding only where its tau
+exceeds its block's cost plus its tokens', both recorded here in target steps. A DFlash draft's
+block (all its guesses in one forward) is timed too, eager as decode.py runs it and compiled, with
+the part no compiling shrinks: the target's output head, which DFlash reads for every guess.
 
     python experiments/draft_cost.py --out docs/draft-cost/draft-cost.json
 
@@ -25,6 +27,7 @@ import torch
 from engine.checkpoints import build_draft
 from engine.compiled import COMPILED_K, CPU_OPTIONS, cache_slots, compile_draft, compile_target
 from engine.layouts import layout_of, load_target
+from engine import linear_forms as LF
 from engine.linear_forms import Int8Linear, quantize_int8
 from engine.machine import ArgumentParser, pick_threads
 from engine.weights import DEFAULT_TARGET, resolve_model
@@ -37,6 +40,8 @@ PROMPT = "Write a short story about a robot who learns to paint, in three paragr
 def get_args(argv=None):
     ap = ArgumentParser(description="What one drafted token costs, in target steps.")
     ap.add_argument("--draft", default="drafts/smollm2-135m-eagle3-chat", help="an EAGLE-3 draft's directory")
+    ap.add_argument("--dflash-draft", default="drafts/smollm2-135m-dflash-gsm8k",
+                    help="a DFlash draft's directory, whose block is timed eager and compiled")
     ap.add_argument("--dtype", default="int4", help="the target's weight layout (decode.py's --dtype)")
     ap.add_argument("--context", type=int, default=256, help="cached tokens before the timed calls")
     ap.add_argument("--repeats", type=int, default=50, help="timed calls per variant (medians)")
@@ -72,6 +77,45 @@ def token_call(draft):
         seen = torch.ones(1, visible.shape[0], dtype=torch.bool)  # (1, kv_len)
         return token, draft.step(token, state, position, position, seen)
     return draft_token
+
+
+def dflash_block(spec, target, tokenizer, ids, repeats: int) -> dict:
+    """A DFlash draft's block (block_size - 1 guesses in one forward after one committed pair), in
+    ms: as decode.py proposes it (eager, oneDNN's layout), its forward and heads compiled (dynamic
+    shapes, plain weights, which inductor reads), and the target's output head alone on its rows,
+    which the draft shares and no compiling makes read fewer bytes."""
+    draft = build_draft(spec, target, tokenizer)
+    net, k = draft.net, draft.net.block_size - 1
+    # (L-1, layers * dim): the target's states of the context (a fixed value: it does not change the cost)
+    features = torch.zeros(len(ids) - 1, len(net.target_layers) * target.args.dim,
+                           dtype=target.embed_tokens.weight.dtype)
+    draft.start(ids, features)
+
+    def proposal():
+        draft.commit([ids[-1]], 0, features[-1:])
+        draft.propose(k)
+    eager_s = median_seconds(proposal, repeats)
+    rows = torch.zeros(k, target.args.dim, dtype=target.embed_tokens.weight.dtype)
+    head_s = median_seconds(lambda: target.lm_head(rows), repeats)
+    # the block as proposal() runs it, one new context row, at the context it reached, compiled
+    block = torch.tensor([[ids[-1]] + [net.mask_token_id] * k])
+    cached = [(c.k[:, :, :draft.context_len], c.v[:, :, :draft.context_len]) for c in draft.caches]
+    positions = torch.arange(draft.context_len, draft.context_len + 2 + k)
+    # the same weights, plain (the eager draft above keeps oneDNN's layout)
+    head = torch.nn.Linear(target.args.dim, target.args.vocab_size, bias=False, device="meta")
+    head.weight = torch.nn.Parameter(LF.dense_weight(target.lm_head), requires_grad=False)
+    plain = torch.nn.ModuleDict({"net": build_draft(spec, target, tokenizer, pack=False).net, "lm_head": head})
+
+    def block_call(new_features, cached, positions):
+        context = plain.net.context(new_features)[None]  # (1, 1, dim)
+        h, kvs = plain.net(draft.embed(block), context, draft.cos[positions], draft.sin[positions], None, cached)
+        logits, _ = plain.net.heads(h[0, 1:], plain.lm_head)  # (k, V)
+        return logits.argmax(-1), kvs
+    graph = torch.compile(block_call, dynamic=True, options=CPU_OPTIONS)
+    new_features = features[-1:].to(net.fc.weight.dtype)
+    compiled_s = median_seconds(lambda: graph(new_features, cached, positions), repeats)
+    return {"draft": spec, "guesses": k, "eager_ms": eager_s * 1e3, "compiled_ms": compiled_s * 1e3,
+            "target_head_ms": head_s * 1e3}
 
 
 def main(argv=None):
@@ -129,18 +173,24 @@ def main(argv=None):
         rows[f"decode.py --compile on ({activations} activations, {form})"] = {
             "ms": token_s * 1e3, "compiled_target_steps": token_s / step_s, "eager_target_steps": token_s / eager_step_s,
             "compile_seconds": seconds}
+        dflash = dflash_block(args.dflash_draft, target, tokenizer, ids, args.repeats)
+        for key in ("eager", "compiled", "target_head"):
+            dflash[f"{key}_compiled_target_steps"] = dflash[f"{key}_ms"] / 1e3 / step_s
     result = {"machine": machine_stamp("cpu"),
               "config": {"target": DEFAULT_TARGET, "layout": layout_of(target), "draft": args.draft,
                          "context": args.context, "repeats": args.repeats},
               "target_step_ms": {"eager": eager_step_s * 1e3, "compiled": step_s * 1e3},
               # what a compiled chain of COMPILED_K costs before its draft tokens: its padded block
               "compiled_block_steps": {"block_len": COMPILED_K + 1, "steps": block_steps},
-              "draft_token": rows}
+              "draft_token": rows,
+              "dflash_block": dflash}
     out = write_results(args.out, result)
     print(f"target step: eager {eager_step_s * 1e3:.2f} ms, compiled {step_s * 1e3:.2f} ms; a compiled "
           f"block of {COMPILED_K + 1}: {block_steps:.2f} steps")
     for name, row in rows.items():
         print(f"draft token, {name}: {row['ms']:.2f} ms = {row['compiled_target_steps']:.2f} compiled steps")
+    print(f"DFlash block of {dflash['guesses']} guesses: eager {dflash['eager_ms']:.2f} ms, compiled "
+          f"{dflash['compiled_ms']:.2f} ms; the target's head on its rows {dflash['target_head_ms']:.2f} ms")
     print(f"results: {out}")
 
 

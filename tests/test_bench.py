@@ -266,8 +266,8 @@ def test_compiled_runs_refuse_trees(capsys):
 @pytest.mark.slow
 def test_draft_cost_experiment_writes_what_it_prints(tmp_path):
     """experiments/draft_cost.py times a drafted token against the target's step, eager and
-    compiled, fp32, bf16 and int8, and the token decode.py --compile on drafts: every row positive
-    and in both units, stamped with the machine."""
+    compiled, fp32, bf16 and int8, the token decode.py --compile on drafts and a DFlash block: every
+    row positive and in both units, stamped with the machine."""
     out = tmp_path / "draft-cost.json"
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "draft_cost.py"), "--repeats", "5",
                         "--context", "32", "--out", str(out)], capture_output=True, text=True, timeout=900)
@@ -280,4 +280,8 @@ def test_draft_cost_experiment_writes_what_it_prints(tmp_path):
     step = result["target_step_ms"]["compiled"]
     for row in rows.values():
         assert row["ms"] > 0 and row["compiled_target_steps"] == pytest.approx(row["ms"] / step, rel=1e-3)
+    dflash = result["dflash_block"]
+    for key in ("eager", "compiled", "target_head"):
+        assert dflash[f"{key}_ms"] > 0
+        assert dflash[f"{key}_compiled_target_steps"] == pytest.approx(dflash[f"{key}_ms"] / step, rel=1e-3)
     assert result["machine"]["torch"] == torch.__version__
