@@ -43,9 +43,8 @@ class DFlashLayer(nn.Module):
         queries, keys, values = self.self_attn.project(x, cos, sin)
         if ctx_kv is not None:
             keys, values = torch.cat([ctx_kv[0], keys], 2), torch.cat([ctx_kv[1], values], 2)
-        h = block + self.self_attn.attend(
-            queries[:, :, n_context:], keys, values, mask
-        )  # block queries
+        # the block's rows query; the context's rows only give keys and values
+        h = block + self.self_attn.attend(queries[:, :, n_context:], keys, values, mask)
         return h + self.mlp(self.post_attention_layernorm(h)), (keys, values)
 
 
@@ -53,14 +52,11 @@ class DFlash(nn.Module):
     """DFlash draft network. Keys as the released checkpoints: layers.*, fc, hidden_norm, norm;
     embeddings and lm_head are the target's. Plus ours: verify_head."""
 
-    def __init__(
-        self, args: M.ModelArgs, target_dim: int, target_layers, block_size: int, mask_token_id: int
-    ):
+    def __init__(self, args: M.ModelArgs, target_dim: int, target_layers, block_size: int,
+                 mask_token_id: int):
         super().__init__()
         self.args, self.block_size, self.mask_token_id = args, block_size, mask_token_id
-        self.target_layers = tuple(
-            target_layers
-        )  # model.py's convention, like every layer list here
+        self.target_layers = tuple(target_layers)  # model.py's convention, as every layer list
         self.layers = nn.ModuleList(DFlashLayer(args) for _ in range(args.n_layer))
         self.fc = nn.Linear(len(self.target_layers) * target_dim, args.dim, bias=False)
         self.hidden_norm = M.RMSNorm(args.dim, args.norm_eps)
@@ -104,30 +100,17 @@ class DFlashDraft(Draft):
     """Drives a DFlash network inside speculative.py's loop. Context keys/values of each layer are
     cached at their positions; the block [last committed token, MASK x (B-1)] sits right after."""
 
-    def __init__(
-        self,
-        net: DFlash,
-        embed: nn.Embedding,
-        lm_head: nn.Module,
-        max_seq_len: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        generator=None,
-        early_exit: float | None = None,
-        exit_signal: str = "head",
-    ):
+    def __init__(self, net: DFlash, embed: nn.Embedding, lm_head: nn.Module, max_seq_len: int,
+                 temperature: float = 0.0, top_p: float = 1.0, generator=None,
+                 early_exit: float | None = None, exit_signal: str = "head"):
         self.net, self.embed, self.lm_head = net, embed, lm_head
         self.target_layers = net.target_layers
-        self.max_tokens = (
-            net.block_size - 1
-        )  # one block drafts at most this many (the anchor is known)
+        self.max_tokens = net.block_size - 1  # a block's guesses (its first row is the anchor)
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.early_exit, self.exit_signal = early_exit, exit_signal  # (draft.EXIT_SIGNALS)
         weight, length = net.fc.weight, max_seq_len + net.block_size
-        self.caches = [
-            M.KVCache(1, net.args.n_kv_head, length, net.args.head_dim, weight.dtype, weight.device)
-            for _ in net.layers
-        ]
+        self.caches = [M.KVCache(1, net.args.n_kv_head, length, net.args.head_dim, weight.dtype,
+                                 weight.device) for _ in net.layers]
         self.cos, self.sin = M.rope_table(net.args, length, weight.device, weight.dtype)
         self.forwards = 0
 
@@ -144,30 +127,21 @@ class DFlashDraft(Draft):
         anchor_pos = self.context_len + n_new
         positions = torch.arange(self.context_len, anchor_pos + B, device=device)
         block = torch.tensor([[self.anchor] + [net.mask_token_id] * (B - 1)], device=device)
-        cached = [
-            (cache.k[:, :, : self.context_len], cache.v[:, :, : self.context_len])
-            for cache in self.caches
-        ]
-        h, kvs = net(
-            self.embed(block), context, self.cos[positions], self.sin[positions], None, cached
-        )  # (1, B, dim)
+        cached = [(cache.k[:, :, :self.context_len], cache.v[:, :, :self.context_len])
+                  for cache in self.caches]
+        cos, sin = self.cos[positions], self.sin[positions]
+        h, kvs = net(self.embed(block), context, cos, sin, None, cached)  # (1, B, dim)
         new = slice(self.context_len, anchor_pos)
-        for cache, (keys, values) in zip(
-            self.caches, kvs
-        ):  # keep the new context; a block is recomputed
+        for cache, (keys, values) in zip(self.caches, kvs):  # new context kept; blocks recomputed
             cache.update(positions[:n_new], keys[:, :, new], values[:, :, new])
         self.context_len, self.forwards = anchor_pos, self.forwards + 1
         self.pending = None
-        logits, head_logits = net.heads(
-            h[0, 1 : k + 1], self.lm_head
-        )  # position i predicts the token at anchor_pos + i
+        # (k, V), (k,): position i predicts the token at anchor_pos + i
+        logits, head_logits = net.heads(h[0, 1:k + 1], self.lm_head)
         n = k
-        if (
-            self.early_exit is not None
-        ):  # stop at the first position the head (or confidence) expects rejected
-            below = (
-                exit_probability(self.exit_signal, logits, head_logits) < self.early_exit
-            ).nonzero()
+        if self.early_exit is not None:  # stop where the head (or confidence) expects a rejection
+            below = (exit_probability(self.exit_signal, logits, head_logits)
+                     < self.early_exit).nonzero()
             n = int(below[0]) if len(below) else k
         self.proposal_head_logits = [head_logits[:n]]
         if n == 0:
@@ -194,24 +168,17 @@ def dflash_blocks(net: DFlash, embed, lm_head, tokens, features, anchors):
     head logits (B, nb, bs-1): block j position i predicts the token at anchors[j] + i."""
     B, T = tokens.shape
     bs, nb = net.block_size, anchors.shape[1]
-    block_pos = (anchors[..., None] + torch.arange(bs, device=tokens.device)).view(
-        B, nb * bs
-    )  # (B, nb*bs)
-    block_tokens = torch.full(
-        (B, nb, bs), net.mask_token_id, dtype=torch.long, device=tokens.device
-    )
+    block_pos = (anchors[..., None] + torch.arange(bs, device=tokens.device)).view(B, nb * bs)
+    block_tokens = torch.full((B, nb, bs), net.mask_token_id, dtype=torch.long,
+                              device=tokens.device)
     block_tokens[:, :, 0] = tokens.gather(1, anchors)
     h = embed(block_tokens.view(B, nb * bs))  # (B, nb*bs, dim)
     context = net.context(features)  # (B, T, dim)
     cos_table, sin_table = M.rope_table(net.args, T + bs, h.device, h.dtype)
     context_pos = torch.arange(T, device=tokens.device).expand(B, T)
     positions = torch.cat([context_pos, block_pos], 1)  # (B, T + nb*bs)
-    cos, sin = (
-        cos_table[positions][:, None],
-        sin_table[positions][:, None],
-    )  # (B, 1, T + nb*bs, head_dim)
-    mask = torch.stack([dflash_mask(a, T, bs) for a in anchors])[
-        :, None
-    ]  # (B, 1, nb*bs, T + nb*bs)
+    # (B, 1, T + nb*bs, head_dim)
+    cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
+    mask = torch.stack([dflash_mask(a, T, bs) for a in anchors])[:, None]  # (B, 1, nb*bs, T+nb*bs)
     h, _ = net(h, context, cos, sin, mask)
     return net.heads(h.view(B, nb, bs, -1)[:, :, 1:], lm_head)  # (B, nb, bs-1, V), (B, nb, bs-1)
