@@ -22,9 +22,7 @@ class Draft:
     declares what differs. Shapes: V is the target's vocabulary, dim its hidden size."""
     target_layers: tuple = ()  # the target hidden states it reads (model.py's indices); () for none
     forwards: int = 0  # draft forwards run so far (lookups are none)
-    max_tokens: float = float(
-        "inf"
-    )  # the most guesses one propose can return (a DFlash block's size - 1)
+    max_tokens: float = float("inf")  # the most guesses one propose returns (DFlash: its block - 1)
     # proposing costs nothing worth timing: AdaptiveDraft may watch its proposals unverified
     free: bool = False
     # propose_tree ranks its nodes and takes size=: AdaptiveDraft can size its trees (T = 0)
@@ -137,10 +135,9 @@ class LookupDraft(Draft):
         n first, then the most recent match first."""
         seq = self.seq
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            for start in reversed(
-                self.starts.get(tuple(seq[-n:]), [])[:-1]
-            ):  # (the last is the tail itself)
-                follow = seq[start + n : start + n + k]
+            starts = self.starts.get(tuple(seq[-n:]), [])[:-1]  # (the last is the tail itself)
+            for start in reversed(starts):
+                follow = seq[start + n:start + n + k]
                 if follow:
                     yield follow
 
@@ -178,12 +175,8 @@ class ModelDraft(Draft):
     has not seen (one, or two after a fully accepted block) and then drafts k tokens."""
 
     def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0, generator=None):
-        self.model, self.temperature, self.top_p, self.generator = (
-            model,
-            temperature,
-            top_p,
-            generator,
-        )
+        self.model, self.generator = model, generator
+        self.temperature, self.top_p = temperature, top_p
         self.device = model.embed_tokens.weight.device
         self.seq: list = []
         self.cache_len = 0
@@ -413,9 +406,8 @@ class AdaptiveDraft(Draft):
         if depth == 0:
             return no_tokens()[0], [], None
         start = self.clock() if self.clock else None
-        tokens, parents, q = self.draft.propose_tree(
-            n, depth, size=lambda values: self.tree_size(values, depth)
-        )
+        size = lambda values: self.tree_size(values, depth)  # noqa: E731
+        tokens, parents, q = self.draft.propose_tree(n, depth, size=size)
         self.time_draft(start, depth)
         self.proposed = len(tokens)
         self.tree_depth = max(tree_depths(parents), default=0)
@@ -430,9 +422,8 @@ class AdaptiveDraft(Draft):
         c = self.tree_kept / self.tree_valued
 
         def rate(m):
-            cost = (self.cost(m, self.context) if self.cost else 1.0) + (
-                depth * self.draft_step if m else 0.0
-            )
+            drafting = depth * self.draft_step if m else 0.0
+            cost = (self.cost(m, self.context) if self.cost else 1.0) + drafting
             return (1 + c * sum(values[:m])) / cost
 
         m = max(range(len(values) + 1), key=lambda m: rate(m) / (self.MARGIN if m else 1.0))
@@ -442,9 +433,7 @@ class AdaptiveDraft(Draft):
     def commit(self, new_ids, n_accepted, features=None):
         self.draft.commit(new_ids, n_accepted, features)
         self.context += len(new_ids)
-        if (
-            self.tree_expected is not None
-        ):  # a tree's verdict: what its values expected, what it kept
+        if self.tree_expected is not None:  # a tree's verdict: kept, against what was expected
             self.tree_kept = self.DECAY * self.tree_kept + n_accepted
             self.tree_valued = self.DECAY * self.tree_valued + self.tree_expected
             self.tree_expected = None

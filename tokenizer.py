@@ -71,11 +71,9 @@ STOP_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", 
 
 def gpt2_byte_decoder() -> dict:
     """Byte-level BPE writes each byte as a printable unicode character; this maps them back."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )  # 188 bytes that stand for themselves
+    # 188 bytes that stand for themselves
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     unprintable = [b for b in range(256) if b not in printable]
     # the rest stand for 256, 257, ... in byte order
     chars = {b: b for b in printable} | {b: 256 + i for i, b in enumerate(unprintable)}
@@ -99,9 +97,8 @@ class Tokenizer:
     def end_of_turn(self) -> int | None:
         """The token that closes an assistant turn in this chat format (None: plain text has
         none)."""
-        return self.specials.get(
-            {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(self.chat_format, "")
-        )
+        closing = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(self.chat_format, "")
+        return self.specials.get(closing)
 
     def encode(self, text: str) -> list:
         """Plain text to ids; special-token strings in the text are treated as ordinary text."""
@@ -126,9 +123,7 @@ class Tokenizer:
                 ids += [sp["<|im_end|>"]] + self.encode("\n")
             ids += [sp["<|im_start|>"]] + self.encode("assistant\n")
             if self.thinking_off:
-                ids += (
-                    [sp["<think>"]] + self.encode("\n\n") + [sp["</think>"]] + self.encode("\n\n")
-                )
+                ids += [sp["<think>"], *self.encode("\n\n"), sp["</think>"], *self.encode("\n\n")]
         elif self.chat_format == "llama3":
             ids.append(sp["<|begin_of_text|>"])
             for m in messages + [{"role": "assistant", "content": None}]:
@@ -144,9 +139,8 @@ class Tokenizer:
 def tiktoken_encoding(name, pattern, ranks: dict, specials: dict):
     import tiktoken
 
-    return tiktoken.Encoding(
-        name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
-    )
+    return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
+                             special_tokens=specials)
 
 
 def read_json(path: Path):
@@ -167,13 +161,11 @@ def tokenizer_from_hf_json(path: Path) -> Tokenizer:
     tj = read_json(path)
     model = tj.get("model") if isinstance(tj, dict) else None
     if not isinstance(model, dict) or not isinstance(model.get("vocab"), dict):
-        raise CheckpointError(
-            f"{path} holds no tokenizer model with a vocabulary: is it a tokenizer.json?"
-        )
+        raise CheckpointError(f"{path} holds no tokenizer model with a vocabulary: "
+                              "is it a tokenizer.json?")
     if model.get("type") != "BPE":
-        raise CheckpointError(
-            f"{path}: only byte-level BPE tokenizers are supported, not {model.get('type')}"
-        )
+        raise CheckpointError(f"{path}: only byte-level BPE tokenizers are supported, "
+                              f"not {model.get('type')}")
     specials = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
     byte_of = gpt2_byte_decoder()
     ranks = {}
@@ -190,9 +182,8 @@ def tokenizer_from_hf_json(path: Path) -> Tokenizer:
             ranks[bytes([b])] = filler
             filler += 1
     pattern = pre_tokenizer_regex(tj.get("pre_tokenizer") or {})
-    return Tokenizer(
-        tiktoken_encoding(path.parent.name, pattern, ranks, specials), n_vocab, specials
-    )
+    encoding = tiktoken_encoding(path.parent.name, pattern, ranks, specials)
+    return Tokenizer(encoding, n_vocab, specials)
 
 
 def pre_tokenizer_regex(pre: dict) -> str:
@@ -217,9 +208,7 @@ def tokenizer_from_tiktoken_file(path: Path, family: str) -> Tokenizer:
             tok, rank = line.split()
             ranks[base64.b64decode(tok)] = int(rank)
     n = len(ranks)
-    if (
-        family == "llama3"
-    ):  # 256 special ids: the named ones, then reserved_special_token_3, _4, ...
+    if family == "llama3":  # 256 special ids: the named ones, then reserved_special_token_3, ...
         first_reserved = 3  # 0..2 are among the named ones
         names = LLAMA3_SPECIALS + [
             f"<|reserved_special_token_{first_reserved + i}|>"
@@ -230,9 +219,8 @@ def tokenizer_from_tiktoken_file(path: Path, family: str) -> Tokenizer:
         names = QWEN3_SPECIALS
         pattern = QWEN2_REGEX
     specials = {s: n + i for i, s in enumerate(names)}
-    return Tokenizer(
-        tiktoken_encoding(path.stem, pattern, ranks, specials), n + len(names), specials
-    )
+    encoding = tiktoken_encoding(path.stem, pattern, ranks, specials)
+    return Tokenizer(encoding, n + len(names), specials)
 
 
 def load_tokenizer(model_dir) -> Tokenizer:
@@ -246,9 +234,8 @@ def load_tokenizer(model_dir) -> Tokenizer:
     elif list(model_dir.glob("*.tiktoken")):
         tok = tokenizer_from_tiktoken_file(sorted(model_dir.glob("*.tiktoken"))[0], "qwen")
     else:
-        raise CheckpointError(
-            f"no tokenizer.json, original/tokenizer.model or *.tiktoken in {model_dir}"
-        )
+        raise CheckpointError(f"no tokenizer.json, original/tokenizer.model or *.tiktoken in "
+                              f"{model_dir}")
     if "<|start_header_id|>" in tok.specials:
         tok.chat_format = "llama3"
     elif "<|im_start|>" in tok.specials:
@@ -259,9 +246,7 @@ def load_tokenizer(model_dir) -> Tokenizer:
         template = read_json(template_file)
         template = (template.get("chat_template") if isinstance(template, dict) else None) or ""
         # a literal default system prompt in the template (SmolLM2 has one)
-        m = re.search(
-            r"<\|im_start\|>system\n([^<{}'\"]+)<\|im_end\|>",
-            template if isinstance(template, str) else "",
-        )
+        m = re.search(r"<\|im_start\|>system\n([^<{}'\"]+)<\|im_end\|>",
+                      template if isinstance(template, str) else "")
         tok.default_system = m.group(1) if m else None
     return tok
