@@ -89,7 +89,7 @@ def speed_runs(args, target, choice: dict, tokenizer, generator, encoded: list):
     (engine.compiled, after the drafts: its graphs return the hidden states they read).
     Returns {run name: [one result per prompt]}, {run name: temperature}, the verification
     heads' reliability per run and the seconds each compiled graph took to compile ({} eager)."""
-    drafts = {(spec, t): make_draft(spec, target, tokenizer, t, generator, args.compile) for t in args.temperatures
+    drafts = {(spec, t): make_draft(spec, target, tokenizer, t, generator) for t in args.temperatures
               for spec in args.drafts}
     step_fn = None
     if args.compile:

@@ -262,13 +262,12 @@ def encode_prompts(args, tokenizer, context: int, verifier: Verifier) -> list:
     return encoded
 
 
-def run_draft(args, target, tokenizer, generator, compiled: bool):
+def run_draft(args, target, tokenizer, generator):
     """The draft asked for, built, or None (--verifier none)."""
     if args.verifier == "none":
         return None
     return build_draft(args.draft, target, tokenizer, temperature=args.temperature, top_p=args.top_p,
-                       generator=generator, early_exit=args.early_exit, exit_signal=args.early_exit_signal,
-                       compiled=compiled)
+                       generator=generator, early_exit=args.early_exit, exit_signal=args.early_exit_signal)
 
 
 def exact_draft(args, target, choice: dict, draft, compiled=None):
@@ -315,7 +314,7 @@ def main(argv=None):
     target, _, choice = load_target(str(path), args.device, layout, slots)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     print(f"[{layout_reason(target, choice)}]", file=sys.stderr)
-    draft = run_draft(args, target, tokenizer, generator, compiled)
+    draft = run_draft(args, target, tokenizer, generator)
     block = args.num_draft_tokens + 1 if draft else 1
     step_fn = compile_target(target, block, draft.target_layers if draft else (), args.device,
                              compiler) if compiled else None

@@ -539,22 +539,22 @@ def draft_spec_problem(spec: str) -> str | None:
 
 
 def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                early_exit=None, pack: bool | None = None, exit_signal: str = "head", compiled: bool = False):
+                early_exit=None, pack: bool | None = None, exit_signal: str = "head"):
     """--draft lookup | eagle3:PATH | dflash:PATH | a trained draft's directory (its config says
     which) | NAME_OR_PATH of an independent model sharing the target's tokenizer | lookup+ANY OF
     THOSE (HybridDraft: lookup where it matches, the draft elsewhere). early_exit: a threshold,
     'auto' (the threshold the draft's config records), or None; exit_signal: what it reads
-    (draft.EXIT_SIGNALS). A draft takes the target's dtype (an EAGLE-3 draft on a CPU: float32,
-    or bf16 where the run compiles it and the CPU multiplies bf16; compile_draft then gives its
-    layer int8 weights), and oneDNN's layout unless the target's layout is an unpacked one
-    (pack=None) or pack says otherwise."""
+    (draft.EXIT_SIGNALS). A draft takes the target's dtype and oneDNN's layout unless the target's
+    layout is an unpacked one (pack=None) or pack says otherwise; an EAGLE-3 draft on a CPU takes
+    int8 weights (bf16 activations where the CPU multiplies bf16), in compiled runs too
+    (engine.compiled.compile_draft compiles the draft built here)."""
     if pack is None:
         pack = getattr(target, "layout", "float32-packed") not in ("float32", "bfloat16")
     if spec == "lookup":
         return LookupDraft()
     if spec.startswith("lookup+"):
         model_draft = build_draft(spec.removeprefix("lookup+"), target, tokenizer, temperature, top_p,
-                                  generator, early_exit, pack, exit_signal, compiled)
+                                  generator, early_exit, pack, exit_signal)
         return HybridDraft(model_draft)
     kind, _, where = spec.partition(":") if spec.split(":")[0] in ("eagle3", "dflash") else ("", "", spec)
     path = resolve_model(where)
@@ -564,21 +564,20 @@ def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: f
             "draft_vocab_size" in config or "dflash_config" in config else ""
     sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
     if kind:
-        # On a CPU an EAGLE-3 draft (which owns its lm_head) runs in float32, unpacked: its weights
-        # are a few MB, and bf16's oneDNN kernels are built anew for each row count a process
-        # meets, once each; an adaptive draft catches up on a new number of pairs at most
-        # proposals, and in a short answer building those kernels costs more than the draft's forwards.
-        # A compiled run's draft steps one row in a graph, which builds no kernels at run time, its
-        # activations in bf16 and its weights in int8 (engine.compiled.compile_draft: a drafted
-        # token waits on its weights' bytes, docs/draft-cost); its few multi-row catch-up shapes
-        # build theirs once.
+        # On a CPU an EAGLE-3 draft (which owns its lm_head) takes int8 weights for its layer and
+        # head (a drafted token waits on its weights' bytes: docs/draft-cost), unpacked, with bf16
+        # activations where the CPU multiplies bf16: integer matmuls build no kernel per row count,
+        # where bf16's oneDNN ones would build one for each number of pairs an adaptive draft
+        # catches up on. The draft only proposes, so its rounding moves how many tokens are kept,
+        # never which are printed.
         cpu_eagle3 = kind == "eagle3" and target.embed_tokens.weight.device.type == "cpu"
-        fp32 = cpu_eagle3 and not (compiled and LF.packable(torch.bfloat16))
-        dtype = torch.float32 if fp32 else torch.bfloat16 if cpu_eagle3 else None
+        dtype = (torch.bfloat16 if LF.packable(torch.bfloat16) else torch.float32) if cpu_eagle3 else None
         found, net = load_draft(path, target, dtype=dtype)
         if found != kind:
             raise ValueError(f"{path} holds a {found} draft, not {kind}")
-        if pack and not cpu_eagle3:  # inference only: oneDNN's layout reads a draft's small matmuls faster
+        if cpu_eagle3:  # (fc runs once a proposal, on the pairs committed; the verification head is one row)
+            LF.quantize_int8(net, keep=("fc", "verify_head"))
+        elif pack:  # inference only: oneDNN's layout reads a draft's small matmuls faster
             LF.pack_for_cpu(net)
         if early_exit == "auto":
             early_exit = recorded_threshold(path) if exit_signal == "head" else CONFIDENCE_EXIT_DEFAULT

@@ -249,20 +249,15 @@ def compile_draft(draft) -> float | None:
     compiled, loaded from the graph cache or compiled and kept there, announced as the target's
     graphs are; returns its seconds, or None where the run has no such draft (DFlash drafts a block
     in one forward and an independent model steps as the target's eager forward does: both run
-    eagerly). On CUDA drafts run eagerly.
-    The draft's layer and head take int8 weights here (linear_forms.Int8Linear), for its eager
-    rows too: a drafted token waits on its weights' bytes (docs/draft-cost), and the draft only
-    proposes, so its rounding moves how many tokens are kept, never which ones are printed."""
+    eagerly). On CUDA drafts run eagerly. The graph runs the draft as build_draft made it (on a
+    CPU, int8 weights: a drafted token waits on its weights' bytes, docs/draft-cost)."""
     inner = getattr(draft, "model_draft", draft)
     if not isinstance(inner, eagle3.Eagle3Draft) or inner.slots.device.type != "cpu":
         return None
 
     def prepare():
         t0 = time.perf_counter()
-        net = unpack(inner.net)
-        if not isinstance(net.lm_head, linear_forms.Int8Linear):  # (a draft compiled before has them)
-            linear_forms.quantize_int8(net.midlayer)
-            net.lm_head = linear_forms.Int8Linear(net.lm_head)
+        unpack(inner.net)
         token = torch.zeros(1, dtype=torch.long)
         state = torch.zeros(1, inner.net.args.dim, dtype=inner.net.fc.weight.dtype)
         visible = inner.slots[:3]  # (an example writes cache slot 2, which the prompt's catch-up rewrites)

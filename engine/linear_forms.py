@@ -84,16 +84,16 @@ class Int8Linear(nn.Module):
         return self.weight_int8.float() * self.weight_scale[:, None]
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Swap every nn.Linear of a CPU inference model for an Int8Linear (in place): int8 weights,
-    fp32 everywhere else (embeddings, norms, attention). A decode step on a CPU waits for the
-    bytes of its weights, and int8 ones are a quarter of fp32's."""
+def quantize_int8(model: nn.Module, keep=()) -> nn.Module:
+    """Swap every nn.Linear of a CPU inference model for an Int8Linear (in place), but those named
+    in keep: int8 weights, fp32 everywhere else (embeddings, norms, attention). A decode step on a
+    CPU waits for the bytes of its weights, and int8 ones are a quarter of fp32's."""
     p = next(model.parameters())
     if p.device.type != "cpu":
         raise ValueError("int8 weights run on the CPU only; use bfloat16 on a GPU")
     for module in [m for m in model.modules() if any(type(c) is nn.Linear for c in m.children())]:
         for name, child in list(module.named_children()):  # (each replaced Linear is freed at once)
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and name not in keep:
                 setattr(module, name, Int8Linear(child))
     return model
 

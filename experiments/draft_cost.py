@@ -2,8 +2,8 @@
 What one drafted token costs, in target steps: an EAGLE-3 draft's token (its heads, the argmax and
 its one-token forward, eagle3.Eagle3Draft.step) timed against the target's one-token step, eager
 and compiled (engine/compiled.py), with the draft's weights in fp32, bf16 and int8, and the token
-decode.py --compile on drafts (the draft as it builds and compiles it: bf16 activations where the
-CPU multiplies bf16, int8 weights, its chain row compiled). A chain of k tokens costs k of these on
+decode.py drafts, eager and with --compile on (the draft as build_draft loads it: bf16 activations
+where the CPU multiplies bf16, int8 weights; compiled, its chain row a graph). A chain of k tokens costs k of these on
 top of its verification block, so this is what decides whether compiling the draft can make it
 pay where blocks are dear: a compiled chain of COMPILED_K beats plain decoding only where its tau
 exceeds its block's cost plus its tokens', both recorded here in target steps. A DFlash draft's
@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modu
 
 import torch
 
-from engine.checkpoints import build_draft
+from eagle3 import Eagle3Draft
+from engine.checkpoints import build_draft, load_draft
 from engine.compiled import COMPILED_K, CPU_OPTIONS, cache_slots, compile_draft, compile_target
 from engine.layouts import layout_of, load_target
 from engine import linear_forms as LF
@@ -124,7 +125,9 @@ def main(argv=None):
     path = resolve_model(DEFAULT_TARGET)
     tokenizer = load_tokenizer(path)
     target, _, _ = load_target(str(path), "cpu", args.dtype, cache_slots(args.context + 64, 8192))
-    draft = build_draft(args.draft, target, tokenizer)
+    # the draft's own weights in fp32, for the forms below
+    _, net = load_draft(resolve_model(args.draft), target, dtype=torch.float32)
+    draft = Eagle3Draft(net, target.embed_tokens, target.max_seq_len)
     ids = tokenizer.encode(PROMPT)[:args.context]
     ids = (ids * (args.context // len(ids) + 1))[:args.context]  # (L,): a context of the asked length
     slots = torch.arange(target.max_seq_len)
@@ -155,24 +158,27 @@ def main(argv=None):
                 rows[f"{form} {mode}"] = {
                     "ms": seconds * 1e3, "compiled_target_steps": seconds / step_s,
                     "eager_target_steps": seconds / eager_step_s}
-        # the drafted token decode.py --compile on runs: the draft built and compiled as it builds
-        # and compiles it, timed as what one more token adds to a proposal (its heads, sampling and
-        # compiled chain row), a proposal of 5 against one of 1, each after one committed pair
-        product = build_draft(args.draft, target, tokenizer, compiled=True)
-        seconds = compile_draft(product)
-        features = torch.zeros(args.context - 1, 3 * target.args.dim, dtype=target.embed_tokens.weight.dtype)
-        product.start(ids, features)
-        def proposal(k):
-            def call():
-                product.commit([ids[-1]], 0, features[-1:])
-                product.propose(k)
-            return call
-        token_s = (median_seconds(proposal(5), args.repeats) - median_seconds(proposal(1), args.repeats)) / 4
-        form = "int8 weights" if isinstance(product.net.lm_head, Int8Linear) else "its dtype's weights"
-        activations = str(product.net.fc.weight.dtype).removeprefix('torch.')
-        rows[f"decode.py --compile on ({activations} activations, {form})"] = {
-            "ms": token_s * 1e3, "compiled_target_steps": token_s / step_s, "eager_target_steps": token_s / eager_step_s,
-            "compile_seconds": seconds}
+        # the drafted token decode.py drafts, eager and with --compile on: the draft as it builds
+        # (and compiles) it, timed as what one more token adds to a proposal (its heads, sampling
+        # and chain row), a proposal of 5 against one of 1, each after one committed pair
+        for compiled_draft in (False, True):
+            product = build_draft(args.draft, target, tokenizer)
+            seconds = compile_draft(product) if compiled_draft else None
+            features = torch.zeros(args.context - 1, 3 * target.args.dim, dtype=target.embed_tokens.weight.dtype)
+            product.start(ids, features)
+
+            def proposal(k):
+                def call():
+                    product.commit([ids[-1]], 0, features[-1:])
+                    product.propose(k)
+                return call
+            token_s = (median_seconds(proposal(5), args.repeats) - median_seconds(proposal(1), args.repeats)) / 4
+            form = "int8 weights" if isinstance(product.net.lm_head, Int8Linear) else "its dtype's weights"
+            activations = str(product.net.fc.weight.dtype).removeprefix('torch.')
+            command = "decode.py --compile on" if compiled_draft else "decode.py"
+            rows[f"{command} ({activations} activations, {form})"] = {
+                "ms": token_s * 1e3, "compiled_target_steps": token_s / step_s,
+                "eager_target_steps": token_s / eager_step_s, "compile_seconds": seconds}
         dflash = dflash_block(args.dflash_draft, target, tokenizer, ids, args.repeats)
         for key in ("eager", "compiled", "target_head"):
             dflash[f"{key}_compiled_target_steps"] = dflash[f"{key}_ms"] / 1e3 / step_s

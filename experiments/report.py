@@ -97,7 +97,7 @@ def build_runs(table: list, targets: dict, tokenizer, generator, k: int) -> tupl
                 layouts[runs[-1].name] = "transformers float32"
                 continue
             target, choice = targets[weights]
-            draft = None if spec is None else speed.make_draft(spec, target, tokenizer, t, generator, choice)
+            draft = None if spec is None else speed.make_draft(spec, target, tokenizer, t, generator)
             runs.append(speed.Run(f"{name} T={t:g}", t, target, draft))
             layouts[runs[-1].name] = layout_of(target)
     return runs, layouts

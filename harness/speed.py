@@ -85,12 +85,12 @@ def draft_label(spec: str) -> str:
     return name + (" +adaptive" if adapt else "")
 
 
-def make_draft(spec, target, tokenizer, temperature, generator, compiled: bool = False):
+def make_draft(spec, target, tokenizer, temperature, generator):
     """A --drafts entry (parse_spec) as a draft, before adapt_draft; the run's tree budget is
-    parse_spec's too. compiled: the run compiles it (engine.compiled.compile_draft)."""
+    parse_spec's too."""
     base, early_exit, tree, adapt, signal = parse_spec(spec)
     return build_draft(base, target, tokenizer, temperature=temperature, generator=generator,
-                       early_exit=early_exit, exit_signal=signal, compiled=compiled)
+                       early_exit=early_exit, exit_signal=signal)
 
 
 def adapt_draft(spec, draft, block_costs: tuple, temperature, device: str):

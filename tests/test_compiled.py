@@ -10,6 +10,7 @@ import torch
 
 from draft import AdaptiveDraft, LookupDraft
 from engine import graph_cache as GC
+from engine import linear_forms as LF
 from conftest import eagle3_net
 from eagle3 import Eagle3Draft
 from engine.compiled import GRAPH_CODE, CompiledTarget, compile_draft, compile_target, start_compiler
@@ -56,11 +57,11 @@ def test_compiled_speculation_prints_compiled_plain_tokens_and_never_recompiles(
 
 
 def test_a_compiled_eagle3_draft_steps_as_its_eager_rows_and_speculation_prints_plain_tokens(compiled, capsys):
-    """The draft's chain row compiled (bf16 activations, as a compiled CPU run loads a draft, and
-    the int8 weights compile_draft gives it): its state and heads are the eager forward's to bf16
-    rounding, speculation through it prints plain decoding's tokens, and a second draft loads the
-    kept graph."""
-    net = eagle3_net(compiled.target, draft_vocab=512).to(torch.bfloat16)
+    """The draft's chain row compiled (bf16 activations and int8 weights, as build_draft loads a
+    draft on a CPU): its state and heads are the eager forward's to bf16 rounding, speculation
+    through it prints plain decoding's tokens, and a second draft loads the kept graph."""
+    net = LF.quantize_int8(eagle3_net(compiled.target, draft_vocab=512).to(torch.bfloat16),
+                           keep=("fc", "verify_head"))
     net.target_layers = (0, 1, 1)  # (the one-layer target's states the fixture's graphs return)
     def draft():
         return Eagle3Draft(net, compiled.target.embed_tokens, compiled.max_seq_len)
