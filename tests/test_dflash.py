@@ -124,6 +124,7 @@ def test_dflash_block_cap_is_not_counted_as_early_exit(target):
     assert 0 < out["drafted_tokens"] <= 3 * out["target_forwards"]
 
 
+@pytest.mark.slow  # (decode.py's DFlash command line, in tests/test_decode.py, holds it by default)
 def test_committed_dflash_draft_decodes_the_default_target_exactly(default_int4):
     """The committed GSM8K DFlash draft, its fixed block without early exit, emits plain greedy
     decoding's tokens on the int4 default target (bf16 and int4 verify row by row: exact by
