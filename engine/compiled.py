@@ -257,7 +257,6 @@ def compile_draft(draft) -> float | None:
 
     def prepare():
         t0 = time.perf_counter()
-        unpack(inner.net)
         token = torch.zeros(1, dtype=torch.long)
         state = torch.zeros(1, inner.net.args.dim, dtype=inner.net.fc.weight.dtype)
         visible = inner.slots[:3]  # (an example writes cache slot 2, which the prompt's catch-up rewrites)

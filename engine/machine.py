@@ -124,7 +124,7 @@ def wants_compile(flag: str, device: str) -> bool:
 
 def unpack(model: torch.nn.Module) -> torch.nn.Module:
     """Swap every PackedLinear back for an nn.Linear of its dtype (in place): torch.compile cannot
-    read oneDNN's blocked tensors, and with weight freezing it packs the weights itself."""
+    read oneDNN's blocked tensors."""
     for module in [m for m in model.modules() if any(type(c) is LF.PackedLinear for c in m.children())]:
         for name, child in list(module.named_children()):
             if type(child) is LF.PackedLinear:
