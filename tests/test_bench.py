@@ -282,7 +282,7 @@ def test_draft_cost_experiment_writes_what_it_prints(tmp_path):
     for row in rows.values():
         assert row["ms"] > 0 and row["compiled_target_steps"] == pytest.approx(row["ms"] / step, rel=1e-3)
     dflash = result["dflash_block"]
-    for key in ("eager", "compiled", "target_head"):
+    for key in ("eager", "compiled", "compiled_forward", "target_head"):
         assert dflash[f"{key}_ms"] > 0
         assert dflash[f"{key}_compiled_target_steps"] == pytest.approx(dflash[f"{key}_ms"] / step, rel=1e-3)
     assert result["machine"]["torch"] == torch.__version__
