@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modu
 import torch
 
 from eagle3 import Eagle3Draft
-from engine.checkpoints import build_draft, load_draft
+from engine.checkpoints import build_draft, draft_dir_problem, load_draft
 from engine.compiled import COMPILED_K, CPU_OPTIONS, cache_slots, compile_draft, compile_target
 from engine.layouts import layout_of, load_target
 from engine import linear_forms as LF
@@ -37,6 +37,7 @@ from harness.results import machine_stamp, unwritable, write_results
 from tokenizer import load_tokenizer
 
 PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."
+MAX_CONTEXT = 4096  # (the cache holds the context, a block and a DFlash draft's block after it)
 
 
 def get_args(argv=None):
@@ -44,13 +45,18 @@ def get_args(argv=None):
     ap.add_argument("--draft", default="drafts/smollm2-135m-eagle3-chat", help="an EAGLE-3 draft's directory")
     ap.add_argument("--dflash-draft", default="drafts/smollm2-135m-dflash-gsm8k",
                     help="a DFlash draft's directory, whose block is timed eager and compiled")
-    ap.add_argument("--dtype", default="int4", help="the target's weight layout (decode.py's --dtype)")
+    ap.add_argument("--dtype", default="int4", choices=("int4", "int8", "bfloat16", "float32"),
+                    help="the target's weight layout (decode.py's --dtype; compiled graphs read plain weights)")
     ap.add_argument("--context", type=int, default=256, help="cached tokens before the timed calls")
     ap.add_argument("--repeats", type=int, default=50, help="timed calls per variant (medians)")
     ap.add_argument("--out", type=Path, required=True, help="results JSON")
     args = ap.parse_args(argv)
-    if args.repeats < 5 or args.context < 8:
-        ap.error("--repeats must be >= 5 and --context >= 8")
+    if args.repeats < 5 or not 8 <= args.context <= MAX_CONTEXT:
+        ap.error(f"--repeats must be >= 5 and --context from 8 to {MAX_CONTEXT}")
+    for flag, where, kind in (("--draft", args.draft, "eagle3"), ("--dflash-draft", args.dflash_draft, "dflash")):
+        problem = draft_dir_problem(where, kind)
+        if problem:
+            ap.error(f"{flag} {problem}")
     problem = unwritable(args.out)
     if problem:
         ap.error(problem)
@@ -159,7 +165,9 @@ def main(argv=None):
                 draft.net.lm_head = Int8Linear(draft.net.lm_head)
             else:
                 draft.net.to(getattr(torch, form))
-            state = torch.zeros(1, draft.net.args.dim, dtype=draft.net.fc.weight.dtype)
+            dtype = draft.net.fc.weight.dtype  # (the form's activations, which the embedding feeds)
+            draft.embed = torch.nn.Embedding.from_pretrained(LF.dense_weight(target.embed_tokens).to(dtype))
+            state = torch.zeros(1, draft.net.args.dim, dtype=dtype)
             call = token_call(draft)
             graph = torch.compile(call, fullgraph=True, options=CPU_OPTIONS)
 

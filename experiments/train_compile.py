@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modu
 import torch
 
 from engine import linear_forms as LF
-from engine.checkpoints import load_draft
+from engine.checkpoints import draft_dir_problem, load_draft
 from engine.layouts import experiment_layout, load_target
 from engine.machine import ArgumentParser, pick_threads
 from engine.weights import DEFAULT_TARGET, resolve_model
@@ -39,8 +39,11 @@ def get_args(argv=None):
     ap.add_argument("--steps", type=int, default=12, help="timed steps of each (after two warm-up steps)")
     ap.add_argument("--out", type=Path, required=True, help="results JSON")
     args = ap.parse_args(argv)
-    if args.steps < 3 or args.batch_size < 1 or args.seq_len < 16:
-        ap.error("--steps must be >= 3, --batch-size >= 1 and --seq-len >= 16")
+    if args.steps < 3 or args.batch_size < 1 or not 16 <= args.seq_len <= 4096:
+        ap.error("--steps must be >= 3, --batch-size >= 1 and --seq-len from 16 to 4096")
+    problem = draft_dir_problem(args.draft, "eagle3")  # (the training-time test compiled is EAGLE-3's)
+    if problem:
+        ap.error(f"--draft {problem}")
     problem = unwritable(args.out)
     if problem:
         ap.error(problem)

@@ -1,6 +1,7 @@
 """Bad input to the experiments: a torn or foreign problems log, a results file report.py did not
 write, a thread count it cannot use. Each is refused in one line, and no log is damaged."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +66,26 @@ def test_report_refuses_a_thread_count_it_cannot_use(tmp_path, threads, capsys):
     assert e.value.code == 2 and "--threads takes auto or a whole number" in capsys.readouterr().err.strip().splitlines()[-1]
     assert list(tmp_path.iterdir()) == []
 
+
+
+DRAFTS = Path(__file__).resolve().parent.parent / "drafts"
+DFLASH, EAGLE3 = str(DRAFTS / "smollm2-135m-dflash-gsm8k"), str(DRAFTS / "smollm2-135m-eagle3-chat")
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("draft_cost", ["--draft", DFLASH], "holds a DFlash draft, not an EAGLE-3 one"),
+    ("draft_cost", ["--dflash-draft", EAGLE3], "holds an EAGLE-3 draft, not a DFlash one"),
+    ("draft_cost", ["--draft", "no-such-draft"], "'no-such-draft' is neither a directory nor a known model"),
+    ("draft_cost", ["--dtype", "int9"], "invalid choice: 'int9'"),
+    ("draft_cost", ["--context", "100000"], "--context from 8 to 4096"),
+    ("train_compile", ["--draft", DFLASH], "holds a DFlash draft, not an EAGLE-3 one"),
+    ("train_compile", ["--seq-len", "100000"], "--seq-len from 16 to 4096"),
+])
+def test_the_cost_experiments_refuse_a_draft_of_the_other_kind_and_sizes_out_of_range(tmp_path, script, argv,
+                                                                                       message, capsys):
+    """Told in one line before the target loads, not a traceback from inside the timed code."""
+    experiment = __import__(script)
+    with pytest.raises(SystemExit) as e:
+        experiment.get_args(argv + ["--out", str(tmp_path / "r.json")])
+    assert e.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
