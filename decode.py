@@ -281,8 +281,9 @@ def exact_draft(args, target, choice: dict, draft, compiled=None):
         return drafting_is_exact(target, choice, args.num_draft_tokens + 1, compiled)
     if not (compiled.kept_check("blocks give the bits of steps", exact) if compiled is not None else exact()):
         remedy = "--compile off" if compiled is not None else "--dtype float32"
-        print(f"note: on this CPU {layout_of(target)} blocks do not give the bits of one-token steps, so drafting "
-              "changes the output" + (": decoding plainly" if args.default_draft else "") +
+        print(f"note: on this CPU {layout_of(target)} blocks of {args.num_draft_tokens + 1} tokens do not give the "
+              "bits of one-token steps, so drafting changes the output" +
+              (": decoding plainly" if args.default_draft else "") +
               f" ({remedy} drafts exactly)", file=sys.stderr)
         if args.default_draft:
             return None

@@ -504,8 +504,9 @@ def drafting_is_exact(target: M.Transformer, choice: dict, block: int, step=None
     probe saw it at this thread count, or, for a coarse layout asked for by name or at another
     thread count (the bits of a block can depend on it), checked now on blocks of `block` tokens
     with the run's forward `step` (default the target's own; fp32's blocks differ from its steps
-    by 2^-24 relative at most, which EXACT_LAYOUTS says)."""
-    if choice and step is None and choice.get("threads") == torch.get_num_threads():
+    by 2^-24 relative at most, which EXACT_LAYOUTS says). The probe checked blocks up to
+    max(BLOCKS) tokens; a longer one is checked now (past ROWS_APART_MAX its rows attend together)."""
+    if choice and step is None and choice.get("threads") == torch.get_num_threads() and block <= max(BLOCKS):
         return choice["layout"] not in choice["inexact"]  # (auto's probe ran eager forwards, not compiled ones)
     return layout_of(target) not in EXACT_LAYOUTS or target.embed_tokens.weight.device.type != "cpu" \
         or blocks_match_steps(target, block, step=step)

@@ -257,7 +257,7 @@ def test_a_run_whose_blocks_are_not_exact_decodes_plainly_by_default(tiny, capsy
     monkeypatch.setattr(decode, "drafting_is_exact", lambda *a: False)
     args = decode.get_args([])
     assert decode.exact_draft(args, target, {}, LookupDraft()) is None
-    assert "blocks do not give the bits of one-token steps, so drafting changes the output: decoding plainly " \
+    assert "blocks of 6 tokens do not give the bits of one-token steps, so drafting changes the output: decoding plainly " \
            "(--dtype float32 drafts exactly)" in capsys.readouterr().err
     args = decode.get_args(["--draft", "lookup", "--no-adaptive", "--compile", "on"])
     draft = LookupDraft()

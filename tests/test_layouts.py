@@ -11,6 +11,8 @@ from engine import timing_cache as TC
 from engine import linear_forms as LF
 from engine import weights as WT
 from engine.files import ROOT
+from engine.rows_apart import ROWS_APART_MAX
+from engine.timing_cache import BLOCKS
 import model as M
 from tokenizer import load_tokenizer
 
@@ -581,3 +583,13 @@ def test_notes_on_a_cut_or_unwritable_cache_are_said_once_and_say_what_happened(
     assert TC.recheck_kept_timing(six_layers, "float32", True, 0.01, 64)
     err = capsys.readouterr().err
     assert "could not be marked to be timed again" in err and "for this run only" not in err
+
+
+def test_a_block_longer_than_the_probe_checked_is_checked_on_the_run(default_int4):
+    """auto's probe vouches for blocks of up to max(BLOCKS) tokens; a longer one (here past
+    ROWS_APART_MAX, whose rows attend together and part from one-token steps) is checked on the run's
+    target, not taken on the probe's word: -k 40 would otherwise draft with inexact blocks."""
+    target, _ = default_int4
+    choice = {"layout": "int4", "inexact": [], "threads": torch.get_num_threads()}
+    assert LY.drafting_is_exact(target, choice, max(BLOCKS))
+    assert not LY.drafting_is_exact(target, choice, ROWS_APART_MAX + 1)
