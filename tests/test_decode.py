@@ -197,6 +197,13 @@ def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
     assert get_args(["--draft", "lookup", "--temperature", "0.7"]).verifier == "lossless"
 
 
+def test_a_compiled_run_refuses_blocks_whose_rows_attend_together(decode_failure):
+    """Past ROWS_APART_MAX a block's rows attend in one call and cannot give the compiled steps'
+    bits: refused in one line, before minutes of compiling a graph no block could use."""
+    status, line = decode_failure(["--compile", "on", "-k", "32"])
+    assert status == 2 and "--compile on verifies blocks of up to 32 tokens (-k up to 31)" in line
+
+
 @pytest.mark.parametrize("argv,content,message", [
     (["--prompt", ""], None, "--prompt is empty"),
     (["--prompt", "   "], None, "--prompt is empty"),
