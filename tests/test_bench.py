@@ -263,6 +263,15 @@ def test_compiled_runs_refuse_trees(capsys):
     bench.get_args(["--compile", "on", "--drafts", "lookup", "--limit", "1"])
 
 
+def test_compiled_runs_refuse_blocks_whose_rows_attend_together(capsys):
+    """Past ROWS_APART_MAX a block's rows attend in one call: no compiled block of them gives the
+    compiled steps' bits, so a compiled bench refuses such a -k in one line."""
+    with pytest.raises(SystemExit):
+        bench.get_args(["--compile", "on", "--drafts", "lookup", "-k", "32", "--limit", "1"])
+    assert "--compile on verifies blocks of up to 32 tokens" in capsys.readouterr().err
+    bench.get_args(["--compile", "on", "--drafts", "lookup", "-k", "31", "--limit", "1"])
+
+
 @pytest.mark.slow
 def test_draft_cost_experiment_writes_what_it_prints(tmp_path):
     """experiments/draft_cost.py times a drafted token against the target's step, eager and
