@@ -33,7 +33,7 @@ from eagle3 import Eagle3Draft
 from engine.compiled import cache_slots, compile_draft, compile_target
 from engine.files import ROOT, os_error_text, repo_path
 from engine.layouts import choose_layout, layout_of, load_target, run_block_costs, target_layout
-from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options,
+from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compiled_k_problem,
                             machine_problem, pick_threads, wants_compile)
 from data.prompts import load_prompts
 from harness.results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
@@ -44,7 +44,6 @@ from harness.step_table import (SHAPES, cpu_layouts, decode_speed_table, print_a
                         weights_quality)
 from speculative import adaptive_tree_problem
 from verify import VERIFIERS, Verifier, check_temperature
-from engine.rows_apart import ROWS_APART_MAX
 from engine.weights import DEFAULT_TARGET, HF_REPOS, resolve_model
 
 # -----------------------------------------------------------------------------
@@ -327,9 +326,8 @@ def check_and_complete(ap, args):
     args.compile = wants_compile(args.compile, args.device)
     if args.compile and any(parse_spec(spec)[2] for spec in args.drafts):
         ap.error("--drafts ...@tree needs --compile off: compiled runs verify chains, one static block shape")
-    if args.compile and args.drafts and args.num_draft_tokens + 1 > ROWS_APART_MAX:
-        ap.error(f"--compile on verifies blocks of up to {ROWS_APART_MAX} tokens (-k up to {ROWS_APART_MAX - 1}): "
-                 "the rows of a longer one attend together and part from the compiled steps' bits")
+    if args.compile and args.drafts and compiled_k_problem(args.num_draft_tokens):
+        ap.error(compiled_k_problem(args.num_draft_tokens))
     table = {"auto": "qwen3-4b,llama-3.1-8b" if args.device.startswith("cuda") else "", "none": ""}
     args.decode_table = [n for n in table.get(args.decode_table, args.decode_table).split(",") if n]
     if any(n not in SHAPES for n in args.decode_table):

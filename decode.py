@@ -21,9 +21,8 @@ from engine.compiled import COMPILED_K, cache_slots, compile_draft, compile_targ
 from engine.files import os_error_text, repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, run_block_costs,
                             target_layout)
-from engine.rows_apart import ROWS_APART_MAX
 from engine.timing_cache import recheck_kept_timing
-from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options,
+from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compiled_k_problem,
                             machine_problem, pick_threads, wall_clock, wants_compile)
 from data.prompts import read_prompts
 from draft import EXIT_SIGNALS
@@ -182,9 +181,8 @@ def check_and_complete(ap, args):
     if args.adaptive and adaptive_tree_problem(args.tree, args.temperature):
         ap.error(adaptive_tree_problem(args.tree, args.temperature))
     if wants_compile(args.compile, args.device) and args.verifier != "none" and \
-            args.num_draft_tokens + 1 > ROWS_APART_MAX:
-        ap.error(f"--compile on verifies blocks of up to {ROWS_APART_MAX} tokens (-k up to {ROWS_APART_MAX - 1}): "
-                 "the rows of a longer one attend together and part from the compiled steps' bits")
+            compiled_k_problem(args.num_draft_tokens):
+        ap.error(compiled_k_problem(args.num_draft_tokens))
     if args.tree and wants_compile(args.compile, args.device):
         ap.error("--tree needs --compile off: compiled runs verify chains, one static block shape (a tree's "
                  "mask and moves are its own), and an eager tree would part from the compiled steps' bits")

@@ -541,14 +541,12 @@ def draft_spec_problem(spec: str) -> str | None:
 def draft_dir_problem(where: str, kind: str) -> str | None:
     """What is wrong with a directory given as a trained draft of `kind` ("eagle3" or "dflash"),
     told before any weights load, or None."""
-    name = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}[kind]
+    names = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}
     try:
-        path = resolve_model(where)
-        found = draft_kind(read_config(path))
+        found = draft_kind(read_config(resolve_model(where)))
     except CheckpointError as e:
         return f"{where}: {e}"
-    held = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}[found]
-    return None if found == kind else f"{where} holds {held} draft, not {name} one"
+    return None if found == kind else f"{where} holds {names[found]} draft, not {names[kind]} one"
 
 
 def build_draft(spec: str, target, tokenizer, temperature: float = 0.0, top_p: float = 1.0, generator=None,

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from engine import linear_forms as LF
+from engine.rows_apart import ROWS_APART_MAX
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -120,6 +121,15 @@ def wants_compile(flag: str, device: str) -> bool:
     minutes, and compiled kernels round otherwise than eager ones, so a default that compiled once
     graphs were kept would print other text than before (docs/compiled)."""
     return flag == "on" or (flag == "auto" and device.startswith("cuda"))
+
+
+def compiled_k_problem(k: int) -> str | None:
+    """Why a compiled run cannot draft k tokens a step, or None: a block of more than
+    ROWS_APART_MAX tokens attends in one call, so its rows never give the compiled steps' bits."""
+    if k + 1 <= ROWS_APART_MAX:
+        return None
+    return (f"--compile on verifies blocks of up to {ROWS_APART_MAX} tokens (-k up to {ROWS_APART_MAX - 1}): "
+            "the rows of a longer one attend together and part from the compiled steps' bits")
 
 
 def unpack(model: torch.nn.Module) -> torch.nn.Module:
