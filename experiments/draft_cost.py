@@ -9,7 +9,9 @@ pay where blocks are dear: a compiled chain of COMPILED_K beats plain decoding o
 exceeds its block's cost plus its tokens', both recorded here in target steps. A DFlash draft's
 block (all its guesses in one forward) is timed too, eager as decode.py runs it, compiled whole,
 and its forward compiled with the heads left eager (as a compiled target leaves its head), with
-the part no compiling shrinks: the target's output head, which DFlash reads for every guess.
+the part no compiling shrinks: the target's output head, which DFlash reads for every guess. And
+where a compiled step's and block's time goes (torch's profiler), which says what a cheaper block
+would have to change.
 
     python experiments/draft_cost.py --out docs/draft-cost/draft-cost.json
 
@@ -87,6 +89,30 @@ def token_call(draft):
     return draft_token
 
 
+def block_anatomy(compiled, context: int, repeats: int) -> dict:
+    """Where a compiled one-token step and a compiled block of COMPILED_K + 1 go, in ms a call, from
+    torch's profiler (self times): the layers' int4 matmuls (torch's kernel, which dequantizes a
+    tile once and multiplies it into each row), the oneDNN-packed output head, the graph's own
+    kernels (attention, each row apart, norms, RoPE, the rest) and everything else."""
+    from torch.profiler import ProfilerActivity, profile
+    anatomy = {}
+    for T in (1, COMPILED_K + 1):
+        def call():
+            compiled(torch.zeros(1, T, dtype=torch.long), torch.arange(context, context + T))
+        call()
+        with profile(activities=[ProfilerActivity.CPU]) as profiled:
+            for _ in range(repeats):
+                call()
+        parts = {"int4_matmuls": 0.0, "output_head": 0.0, "graph_kernels": 0.0, "other": 0.0}
+        for event in profiled.key_averages():
+            part = ("int4_matmuls" if "_weight_int4pack_mm" in event.key else
+                    "output_head" if "_linear_pointwise" in event.key else
+                    "graph_kernels" if "CompiledFxGraph" in event.key else "other")
+            parts[part] += event.self_cpu_time_total / 1e3 / repeats
+        anatomy["step" if T == 1 else f"block_of_{T}"] = parts
+    return anatomy
+
+
 def dflash_block(spec, target, tokenizer, ids, repeats: int) -> dict:
     """A DFlash draft's block (block_size - 1 guesses in one forward after one committed pair), in
     ms: as decode.py proposes it (eager, oneDNN's layout), its forward and heads compiled (dynamic
@@ -158,6 +184,7 @@ def main(argv=None):
         compiled = compile_target(target, COMPILED_K + 1, (), "cpu")
         step_s = median_seconds(lambda: compiled(torch.tensor([[ids[-1]]]), visible[-1:]), args.repeats)
         block_steps = compiled.block_costs(args.repeats)[0](COMPILED_K, args.context)
+        anatomy = block_anatomy(compiled, args.context, args.repeats)
         rows = {}
         for form in ("float32", "bfloat16", "int8"):  # (int8: weights of the layer and head, bf16 activations)
             if form == "int8":
@@ -209,11 +236,14 @@ def main(argv=None):
               "target_step_ms": {"eager": eager_step_s * 1e3, "compiled": step_s * 1e3},
               # what a compiled chain of COMPILED_K costs before its draft tokens: its padded block
               "compiled_block_steps": {"block_len": COMPILED_K + 1, "steps": block_steps},
+              "compiled_anatomy_ms": anatomy,
               "draft_token": rows,
               "dflash_block": dflash}
     out = write_results(args.out, result)
     print(f"target step: eager {eager_step_s * 1e3:.2f} ms, compiled {step_s * 1e3:.2f} ms; a compiled "
           f"block of {COMPILED_K + 1}: {block_steps:.2f} steps")
+    for what, parts in anatomy.items():
+        print(f"compiled {what.replace('_', ' ')}: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f} ms" for k, v in parts.items()))
     for name, row in rows.items():
         print(f"draft token, {name}: {row['ms']:.2f} ms = {row['compiled_target_steps']:.2f} compiled steps")
     print(f"DFlash block of {dflash['guesses']} guesses: eager {dflash['eager_ms']:.2f} ms, compiled "

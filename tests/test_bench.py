@@ -294,4 +294,7 @@ def test_draft_cost_experiment_writes_what_it_prints(tmp_path):
     for key in ("eager", "compiled", "compiled_forward", "target_head"):
         assert dflash[f"{key}_ms"] > 0
         assert dflash[f"{key}_compiled_target_steps"] == pytest.approx(dflash[f"{key}_ms"] / step, rel=1e-3)
+    anatomy = result["compiled_anatomy_ms"]
+    assert set(anatomy) == {"step", "block_of_4"}
+    assert all(anatomy[call]["int4_matmuls"] > 0 and anatomy[call]["output_head"] > 0 for call in anatomy)
     assert result["machine"]["torch"] == torch.__version__
