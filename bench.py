@@ -33,7 +33,7 @@ from eagle3 import Eagle3Draft
 from engine.compiled import cache_slots, compile_draft, compile_target
 from engine.files import ROOT, os_error_text, repo_path
 from engine.layouts import choose_layout, layout_of, load_target, run_block_costs, target_layout
-from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compiled_k_problem,
+from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compiled_draft_problem,
                             machine_problem, pick_threads, wants_compile)
 from data.prompts import load_prompts
 from harness.results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
@@ -324,10 +324,10 @@ def check_and_complete(ap, args):
         ap.error(f"two --drafts have one name: {', '.join(sorted({n for n in labels if labels.count(n) > 1}))}")
     args.categories = args.categories.split(",") if args.categories else None
     args.compile = wants_compile(args.compile, args.device)
-    if args.compile and any(parse_spec(spec)[2] for spec in args.drafts):
-        ap.error("--drafts ...@tree needs --compile off: compiled runs verify chains, one static block shape")
-    if args.compile and args.drafts and compiled_k_problem(args.num_draft_tokens):
-        ap.error(compiled_k_problem(args.num_draft_tokens))
+    problem = compiled_draft_problem(args.num_draft_tokens, any(parse_spec(spec)[2] for spec in args.drafts),
+                                     "--drafts ...@tree")
+    if args.compile and args.drafts and problem:
+        ap.error(problem)
     table = {"auto": "qwen3-4b,llama-3.1-8b" if args.device.startswith("cuda") else "", "none": ""}
     args.decode_table = [n for n in table.get(args.decode_table, args.decode_table).split(",") if n]
     if any(n not in SHAPES for n in args.decode_table):

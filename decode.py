@@ -22,7 +22,7 @@ from engine.files import os_error_text, repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, run_block_costs,
                             target_layout)
 from engine.timing_cache import recheck_kept_timing
-from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compiled_k_problem,
+from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compiled_draft_problem,
                             machine_problem, pick_threads, wall_clock, wants_compile)
 from data.prompts import read_prompts
 from draft import EXIT_SIGNALS
@@ -180,12 +180,9 @@ def check_and_complete(ap, args):
         ap.error("--tree drafts trees for a verifier to check; with --verifier none nothing is drafted")
     if args.adaptive and adaptive_tree_problem(args.tree, args.temperature):
         ap.error(adaptive_tree_problem(args.tree, args.temperature))
-    if wants_compile(args.compile, args.device) and args.verifier != "none" and \
-            compiled_k_problem(args.num_draft_tokens):
-        ap.error(compiled_k_problem(args.num_draft_tokens))
-    if args.tree and wants_compile(args.compile, args.device):
-        ap.error("--tree needs --compile off: compiled runs verify chains, one static block shape (a tree's "
-                 "mask and moves are its own), and an eager tree would part from the compiled steps' bits")
+    problem = compiled_draft_problem(args.num_draft_tokens, bool(args.tree))
+    if wants_compile(args.compile, args.device) and args.verifier != "none" and problem:
+        ap.error(problem)
     if args.adaptive is None:  # every draft's chain: a draft that does not pay here then costs only its probes
         args.adaptive = not args.tree
     complete_early_exit(ap, args)

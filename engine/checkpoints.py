@@ -539,13 +539,12 @@ def draft_spec_problem(spec: str) -> str | None:
 
 
 def draft_dir_problem(where: str, kind: str) -> str | None:
-    """What is wrong with a directory given as a trained draft of `kind` ("eagle3" or "dflash"),
-    told before any weights load, or None."""
-    names = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}
+    """What is wrong with `where` as a trained draft of `kind` (eagle3, dflash), before any load."""
     try:
         found = draft_kind(read_config(resolve_model(where)))
     except CheckpointError as e:
         return f"{where}: {e}"
+    names = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}
     return None if found == kind else f"{where} holds {names[found]} draft, not {names[kind]} one"
 
 

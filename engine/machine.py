@@ -123,13 +123,17 @@ def wants_compile(flag: str, device: str) -> bool:
     return flag == "on" or (flag == "auto" and device.startswith("cuda"))
 
 
-def compiled_k_problem(k: int) -> str | None:
-    """Why a compiled run cannot draft k tokens a step, or None: a block of more than
-    ROWS_APART_MAX tokens attends in one call, so its rows never give the compiled steps' bits."""
-    if k + 1 <= ROWS_APART_MAX:
-        return None
-    return (f"--compile on verifies blocks of up to {ROWS_APART_MAX} tokens (-k up to {ROWS_APART_MAX - 1}): "
-            "the rows of a longer one attend together and part from the compiled steps' bits")
+def compiled_draft_problem(k: int, tree: bool, flag: str = "--tree") -> str | None:
+    """Why a compiled run cannot verify what it would draft, or None. Compiled runs verify chains in
+    one static block shape (a tree's mask and moves are its own, and an eager tree would part from
+    the compiled steps' bits); a block of more than ROWS_APART_MAX tokens attends in one call, so
+    its rows never give the compiled steps' bits. flag: how the command line asks for a tree."""
+    if tree:
+        return f"{flag} needs --compile off: compiled runs verify chains, one static block shape"
+    if k + 1 > ROWS_APART_MAX:
+        return (f"--compile on verifies blocks of up to {ROWS_APART_MAX} tokens (-k up to {ROWS_APART_MAX - 1}): "
+                "the rows of a longer one attend together and part from the compiled steps' bits")
+    return None
 
 
 def unpack(model: torch.nn.Module) -> torch.nn.Module:
