@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random checkpoints written by transformers itself, and the default target."""
+import json
 import os
 import shutil
 import sys
@@ -8,9 +9,29 @@ from pathlib import Path
 import pytest
 import torch
 
+
+def session_layout_cache() -> Path:
+    """A layouts file for this session, holding at first the decisions the user's cache keeps for
+    the default target (its converted weights live in the user's cache too): the tests then decode
+    it in the layout decode.py runs it in on this machine, read as a second run reads it, rather
+    than timing every layout again each session. Where none is kept (a new machine), the first test
+    that loads it times them. The user's file is only read."""
+    from engine.weights import cache_dir  # (reads no layout cache)
+    session = Path(tempfile.mkdtemp(prefix="layouts-")) / "layouts.json"
+    user = Path(os.environ.get("SPECDEC_LAYOUT_CACHE") or cache_dir() / "layouts.json")
+    try:
+        kept = json.loads(user.read_text())
+    except (OSError, ValueError):
+        return session
+    default = f" | {cache_dir().resolve()}{os.sep}"
+    if isinstance(kept, dict):
+        session.write_text(json.dumps({k: v for k, v in kept.items() if default in k}))
+    return session
+
+
 # --dtype auto remembers its choice per model path: the tests' tiny models (and the scripts they
 # start) keep theirs in a file of this session, not in the user's cache
-os.environ["SPECDEC_LAYOUT_CACHE"] = str(Path(tempfile.mkdtemp(prefix="layouts-")) / "layouts.json")
+os.environ["SPECDEC_LAYOUT_CACHE"] = str(session_layout_cache())
 os.environ["SPECDEC_GRAPH_CACHE"] = str(Path(tempfile.mkdtemp(prefix="graphs-")))  # (compiled graphs, likewise)
 # (inductor's own cache keeps its usual place: the tests' tiny kernels compile once per machine, not per session)
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: E402
