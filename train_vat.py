@@ -34,8 +34,8 @@ from tqdm import tqdm
 
 from engine import linear_forms as LF
 import model as M
-from engine.checkpoints import (VAT_PARTS, checkpoint_dirs, draft_record, latest_checkpoint, load_draft,
-                                save_checkpoint, save_draft)
+from engine.checkpoints import VAT_PARTS, draft_record, load_draft, save_draft
+from engine.training_runs import checkpoint_dirs, latest_checkpoint, save_checkpoint
 from data.corpus import (DEFAULT_DATA, SHAREGPT, Corpus, Recipe, batches, build_corpus, build_dataset, corpus_batches,
                     data_sources, draft_vocabulary, fitting, length_groups)
 from data.sharegpt import PACKAGE as SHAREGPT_PACKAGE, package_problem

@@ -6,7 +6,8 @@ as a results file stamped with the machine, and drawn beside it.
 import sys
 from pathlib import Path
 
-from engine.checkpoints import draft_kind, draft_record, read_log
+from engine.checkpoints import draft_kind, draft_record
+from engine.training_runs import read_log
 from engine.weights import read_config
 from harness.results import machine_stamp, save_figure, write_results
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.checkpoints import build_draft, checkpoint_step
+from engine.checkpoints import build_draft
+from engine.training_runs import checkpoint_step
 from engine.machine import peak_memory_mb, reset_peak_memory, wall_clock
 from harness.peers import hf_peer, llama_cpp_peer
 from speculative import adaptive, generate

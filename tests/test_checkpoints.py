@@ -1,4 +1,4 @@
-"""checkpoints.py: training checkpoints survive a kill at any point, refuse tampered state, keep
+"""training_runs.py: training checkpoints survive a kill at any point, refuse tampered state, keep
 the newest and those asked for, and resume past a cut-off log."""
 import json
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from engine import checkpoints as CK
+from engine import training_runs as TR
 import model as M
 from engine.files import ROOT
 from eagle3 import Eagle3, eagle3_target_layers
@@ -45,7 +45,7 @@ import json, os, shutil, signal, sys, tempfile, random
 from pathlib import Path
 import safetensors.torch, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-from engine import checkpoints as CK
+from engine import training_runs as TR
 from test_checkpoints import TARGET_ARGS, small_draft
 runs = Path(sys.argv[1])
 count = kill_at = None
@@ -70,7 +70,7 @@ def saves(out):
         opt = torch.optim.AdamW(net.parameters())
         if step == 4:
             count = 0
-        CK.save_checkpoint(out, net, TARGET_ARGS, step, opt,
+        TR.save_checkpoint(out, net, TARGET_ARGS, step, opt,
                            [{{"step": s}} for s in range(1, step + 1)], {{"objective": "vat"}})
     n, count = count, None  # the count file below is not part of the save
     return n
@@ -105,7 +105,7 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path):
     for kill_at, code in report["exit"].items():
         kill_at, out = int(kill_at), tmp_path / f"kill-{kill_at}"
         assert code == (-9 if kill_at <= n_ops else 0), (kill_at, code)
-        net, state, log = CK.latest_checkpoint(out, target)
+        net, state, log = TR.latest_checkpoint(out, target)
         step = state["step"]
         assert step == (4 if kill_at > n_ops else step) and step in (2, 4)
         assert [s["step"] for s in log] == list(range(1, step + 1))  # the log of that same step
@@ -113,9 +113,9 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path):
             assert torch.equal(value, expected[step][key].float()), (kill_at, key)
         assert (out / "checkpoint").resolve().name in (f"step-{step:06d}", "step-000002", "step-000004")
         # a resumed run carries on from there, and its next save cleans up what the kill left
-        CK.save_checkpoint(out, net, TARGET_ARGS, 6, torch.optim.AdamW(net.parameters()),
+        TR.save_checkpoint(out, net, TARGET_ARGS, 6, torch.optim.AdamW(net.parameters()),
                            log + [{"step": 5}, {"step": 6}] if step == 4 else log, {"objective": "vat"})
-        assert CK.latest_checkpoint(out, target)[1]["step"] == 6
+        assert TR.latest_checkpoint(out, target)[1]["step"] == 6
         assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -129,13 +129,13 @@ def test_tampered_training_state_is_refused_not_executed(tmp_path, capsys):
     target = small_target()
     for step in (2, 4):
         net = small_draft(seed=step)
-        CK.save_checkpoint(tmp_path, net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
+        TR.save_checkpoint(tmp_path, net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
                            [{"step": s} for s in range(1, step + 1)], {"objective": "vat"})
     marker = tmp_path / "pwned"
     exploit = Exploit()
     exploit.marker = marker
     (tmp_path / "step-000004" / "train_state.pt").write_bytes(pickle.dumps({"step": 4, "x": exploit}))
-    net, state, log = CK.latest_checkpoint(tmp_path, target)
+    net, state, log = TR.latest_checkpoint(tmp_path, target)
     assert not marker.exists()  # the payload never ran
     assert state["step"] == 2 and len(log) == 2  # the newest complete, untampered checkpoint
     assert "skipping checkpoint" in capsys.readouterr().err
@@ -144,22 +144,22 @@ def test_tampered_training_state_is_refused_not_executed(tmp_path, capsys):
 def test_only_the_newest_checkpoints_and_those_at_keep_every_remain(tmp_path):
     net = small_draft(seed=1)
     for step in range(1, 8):
-        CK.save_checkpoint(tmp_path / "plain", net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
+        TR.save_checkpoint(tmp_path / "plain", net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
                            [{"step": s} for s in range(1, step + 1)], {"objective": "vat"})
-        CK.save_checkpoint(tmp_path / "kept", net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
+        TR.save_checkpoint(tmp_path / "kept", net, TARGET_ARGS, step, torch.optim.AdamW(net.parameters()),
                            [{"step": s} for s in range(1, step + 1)], {"objective": "vat"},
                            keep_every=3)
-    assert [p.name for p in CK.checkpoint_dirs(tmp_path / "plain")] == ["step-000006", "step-000007"]
-    assert [p.name for p in CK.checkpoint_dirs(tmp_path / "kept")] == ["step-000003", "step-000006", "step-000007"]
+    assert [p.name for p in TR.checkpoint_dirs(tmp_path / "plain")] == ["step-000006", "step-000007"]
+    assert [p.name for p in TR.checkpoint_dirs(tmp_path / "kept")] == ["step-000003", "step-000006", "step-000007"]
     assert (tmp_path / "kept" / "checkpoint").resolve().name == "step-000007"
 
 
 def test_a_cut_off_log_does_not_stop_a_resume(tmp_path, capsys):
     net = small_draft(seed=1)
-    CK.save_checkpoint(tmp_path, net, TARGET_ARGS, 3, torch.optim.AdamW(net.parameters()),
+    TR.save_checkpoint(tmp_path, net, TARGET_ARGS, 3, torch.optim.AdamW(net.parameters()),
                        [{"step": s} for s in (1, 2, 3)], {"objective": "vat"})
     log = tmp_path / "step-000003" / "log.jsonl"
     log.write_text(log.read_text()[:-8])  # cut inside the last line
-    _, state, entries = CK.latest_checkpoint(tmp_path, small_target())
+    _, state, entries = TR.latest_checkpoint(tmp_path, small_target())
     assert state["step"] == 3 and [e["step"] for e in entries] == [1, 2]
     assert "cut off after 2 steps" in capsys.readouterr().err

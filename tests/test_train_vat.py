@@ -18,6 +18,7 @@ from test_corpus import corpus_recipe
 
 from data import corpus as C
 from engine import checkpoints as CK
+from engine import training_runs as TR
 from engine import weights as WT
 from engine import linear_forms as LF
 import model as M
@@ -355,7 +356,7 @@ def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, draft):
     # --stop-at ends a run between saves on the uninterrupted run's schedule, and saves there
     TV.main(common + ["--out", str(tmp_path / "midway"), "--stop-at", "3"])
     assert log("midway") == log("whole")[:3]
-    assert CK.latest_checkpoint(tmp_path / "midway", target)[1]["step"] == 3
+    assert TR.latest_checkpoint(tmp_path / "midway", target)[1]["step"] == 3
 
 
 @pytest.mark.slow
