@@ -16,7 +16,8 @@ import sys
 import torch
 
 import model as M
-from engine.checkpoints import CONFIDENCE_EXIT_DEFAULT, DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft
+from engine.checkpoints import (CONFIDENCE_EXIT_DEFAULT, DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft,
+                                draft_spec_problem)
 from engine.compiled import COMPILED_K, cache_slots, compile_draft, compile_target, start_compiler
 from engine.files import os_error_text, repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, run_block_costs,
@@ -174,6 +175,8 @@ def check_and_complete(ap, args):
         args.verifier = "none" if args.draft is None else ("greedy" if args.temperature == 0 else "lossless")
     if args.verifier != "none" and args.draft is None:
         args.draft = "lookup"  # a verifier needs something to verify; the training-free draft
+    if args.verifier != "none" and draft_spec_problem(args.draft):  # (before the target loads)
+        ap.error(draft_spec_problem(args.draft))
     if args.tree < 0:
         ap.error(f"--tree takes a number of draft tokens >= 1 (0: chains), got {args.tree}")
     if args.tree and args.verifier == "none":

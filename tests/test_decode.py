@@ -214,8 +214,11 @@ def test_a_compiled_run_refuses_blocks_whose_rows_attend_together(decode_failure
     (["--prompt-file", "{file}"], '{"question": null}\n', "line 1: the prompt is None"),
     (["--prompt-file", "{file}"], '{"question": "fine"}\n{"turns": [""]}\n', "line 2: the prompt is empty"),
     (["--prompt-file", "{file}"], "not json\n", "line 1 is not valid JSON"),
+    (["--draft", "drafts/none-such"], None, "--draft drafts/none-such: 'drafts/none-such' is neither a directory"),
+    (["--draft", "lookup+{file}"], None, "holds no config.json"),  # (a folder that is not a draft)
+    (["--draft", "eagle3:"], None, "names no draft"),
 ])
-def test_bad_prompts_fail_in_one_line_before_loading(tmp_path, argv, content, message, monkeypatch, capsys,
+def test_bad_prompts_and_drafts_fail_in_one_line_before_loading(tmp_path, argv, content, message, monkeypatch, capsys,
                                                     decode_failure):
     import decode
 
@@ -223,6 +226,8 @@ def test_bad_prompts_fail_in_one_line_before_loading(tmp_path, argv, content, me
         raise AssertionError("weights loaded before the prompts were checked")
     monkeypatch.setattr(decode, "load_target", no_loading)
     path = tmp_path / "prompts.jsonl"
+    if "lookup+{file}" in argv:
+        path = tmp_path
     if content is not None:
         path.write_text(content)
         path.with_suffix(".jsonl.txt").write_text(content)
