@@ -332,6 +332,9 @@ def check_and_complete(ap, args):
     args.decode_table = [n for n in table.get(args.decode_table, args.decode_table).split(",") if n]
     if any(n not in SHAPES for n in args.decode_table):
         ap.error(f"--decode-table takes shapes from {', '.join(SHAPES)}")
+    if args.speed_off and (args.paired or not (args.decode_table or args.weights_quality or args.profile_step)):
+        ap.error("--paired compares timed runs, which --speed-off skips" if args.paired else
+                 "--speed-off leaves nothing to measure: add --decode-table, --weights-quality N or --profile-step")
     args.decode_table_compile = (False, True) if args.decode_table_compile == "both" or (
         args.decode_table_compile == "auto" and args.device.startswith("cuda")) else (False,)
     for name in args.verifiers:

@@ -122,7 +122,10 @@ def test_unwritable_out_fails_before_any_work(tmp_path, capsys):
                 (["--prompt-file", str(tmp_path / "missing.jsonl")], "prompt file not found"),
                 (["--weights-quality", "-1", "--speed-off"], "--weights-quality takes a number of texts >= 1"),
                 (["--max-new-tokens", "0"], "-k, --max-new-tokens and --limit must be >= 1"),  # not replaced by --quick
-                (["--limit", "-3"], "-k, --max-new-tokens and --limit must be >= 1")]
+                (["--limit", "-3"], "-k, --max-new-tokens and --limit must be >= 1"),
+                (["--speed-off"], "--speed-off leaves nothing to measure"),  # (else an empty results file)
+                (["--speed-off", "--weights-quality", "1", "--drafts", "lookup,lookup@adapt",
+                  "--paired", "lookup,lookup@adapt"], "--paired compares timed runs, which --speed-off skips")]
     for argv, message in refusals:  # main in this process: a refusal must come before anything loads
         with pytest.raises(SystemExit) as exit_:
             bench.main(["--quick", *argv])
@@ -161,7 +164,8 @@ def test_drafts_of_one_name_are_refused_and_kept_checkpoints_are_named_by_run_an
     assert speed.draft_label("runs/vat/step-000500@ee0.1") == "vat@500 +early-exit 0.1"
     with pytest.raises(SystemExit):
         bench.get_args(["--drafts", "runs/a/checkpoint,other/a"])
-    args = bench.get_args(["--drafts", "runs/vat/step-000500,runs/base/step-000500", "--speed-off"])
+    args = bench.get_args(["--drafts", "runs/vat/step-000500,runs/base/step-000500", "--speed-off",
+                           "--profile-step"])
     assert [speed.draft_label(d) for d in args.drafts] == ["vat@500", "base@500"]
 
 
