@@ -182,7 +182,7 @@ def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
     assert (a.draft, a.verifier, a.temperature, a.adaptive) == ("lookup", "greedy", 0.0, True)
     assert not get_args(["--no-adaptive"]).adaptive and not get_args(["--draft", "lookup", "--tree", "4"]).adaptive
     for verifier in VERIFIERS:  # any draft, any verifier: adaptive chains
-        assert get_args(["--draft", DEFAULT_DRAFTS["smollm2-135m"].name, "--verifier", verifier]).adaptive
+        assert get_args(["--draft", str(DEFAULT_DRAFTS["smollm2-135m"]), "--verifier", verifier]).adaptive
     capsys.readouterr()  # (the lossy verifiers' notes on the temperature they default to)
     a = get_args(["--temperature", "1"])
     assert (a.draft, a.verifier) == ("lookup", "lossless")  # exact, and ahead of plain sampling in the report
@@ -190,7 +190,8 @@ def test_cli_defaults_and_lossy_verifiers_at_temperature_zero(capsys):
     assert capsys.readouterr().err == ""
     a = get_args(["--verifier", "overshoot"])  # the chat draft, behind prompt lookup
     assert a.temperature == 1.0 and a.draft == f"lookup+{DEFAULT_DRAFTS[WT.DEFAULT_TARGET]}"
-    assert a.early_exit == "auto" and get_args(["--draft", "eagle3:x", "--early-exit", "0"]).early_exit == 0.0
+    exits_at_zero = get_args(["--draft", f"eagle3:{DEFAULT_DRAFTS[WT.DEFAULT_TARGET]}", "--early-exit", "0"])
+    assert a.early_exit == "auto" and exits_at_zero.early_exit == 0.0
     assert "--temperature defaults to 1" in capsys.readouterr().err
     a = get_args(["--verifier", "minp", "--temperature", "0", "--draft", "lookup"])
     assert a.temperature == 0.0 and "is greedy verification" in capsys.readouterr().err
