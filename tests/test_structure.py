@@ -93,7 +93,7 @@ def test_readmes_reading_path_names_what_the_code_holds():
     start = readme.index("## Read the code")
     assert readme[:start].count("\n") < 40
     rows = [line for line in readme[start:].split("\n## ", 1)[0].splitlines() if line.startswith("| ") and "`" in line]
-    assert len(rows) == 4
+    assert len(rows) == 5
     for row in rows:
         _, where, lines = [cell.strip() for cell in row.strip("|").split("|")]
         named = []
