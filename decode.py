@@ -175,6 +175,9 @@ def check_and_complete(ap, args):
         args.verifier = "none" if args.draft is None else ("greedy" if args.temperature == 0 else "lossless")
     if args.verifier != "none" and args.draft is None:
         args.draft = "lookup"  # a verifier needs something to verify; the training-free draft
+    if args.verifier == "none" and args.draft is not None:
+        ap.error("--draft proposes tokens for a verifier to check; --verifier none decodes plainly "
+                 "(drop --draft)")
     if args.verifier != "none" and draft_spec_problem(args.draft):  # (before the target loads)
         ap.error(draft_spec_problem(args.draft))
     if args.tree < 0:

@@ -89,6 +89,7 @@ def test_a_tiny_temperature_decodes_with_a_tree_end_to_end(tiny_dir):
 
 @pytest.mark.parametrize("argv,message", [
     (["--tree", "8", "--verifier", "none"], "with --verifier none nothing is drafted"),
+    (["--draft", "drafts/smollm2-135m-eagle3-chat", "--verifier", "none"], "--verifier none decodes plainly"),
     (["--tree", "100000"], "+ up to 100000 drafted a step needs"),
     (["--early-exit", "abc"], "--early-exit: invalid threshold value"),
     (["--early-exit-signal", "entropy"], "--early-exit-signal: invalid choice: 'entropy'"),
