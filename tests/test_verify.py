@@ -172,5 +172,21 @@ def test_truncation_output_never_leaves_the_allowed_set_bonus_included(v):
     assert torch.allclose(empirical, expected.double(), atol=5 * (0.25 / n_blocks) ** 0.5)
 
 
+# p = (0.5, 0.2, 0.15, 0.1, 0.05): entropy H = 1.3331 nats, exp(-H) = 0.2637
+@pytest.mark.parametrize("v,allowed", [
+    (Verifier("minp", p_base=0.3), [0, 1, 2]),  # p >= 0.3 * 0.5 = 0.15
+    (Verifier("minp", p_base=0.5), [0]),  # p >= 0.25
+    # eta: p >= min(eps, delta * exp(-H)); eps 0.2, delta sqrt(0.2): min(0.2, 0.1179) = 0.1179
+    (Verifier("eta", eps=0.2), [0, 1, 2]),
+    (Verifier("eta", eps=0.06, delta=0.9), [0, 1, 2, 3]),  # min(0.06, 0.2373) = 0.06
+])
+def test_truncation_sets_are_their_papers_definitions(v, allowed):
+    """Min-p keeps p(x) >= p_base max p; eta keeps p(x) >= min(eps, delta exp(-H(p))) (Hewitt et al.
+    2022): the sets worked out by hand, so a wrong rule cannot pass as its own closed form."""
+    from verify import allowed_set
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    assert allowed_set(p, v).nonzero()[:, 0].tolist() == allowed
+
+
 def test_eta_default_is_eta_samplings_setting():
     assert Verifier("eta").eps == 3e-4 and Verifier("eta").delta is None  # delta = sqrt(eps) at use
