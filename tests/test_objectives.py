@@ -55,6 +55,30 @@ def test_sampled_labels_do_not_force_rejection_outside_the_draft_vocabulary():
         assert stats["sim_tau"] == pytest.approx(sim_tau), label
 
 
+def test_sampled_labels_keep_a_drafted_token_as_often_as_speculative_sampling():
+    """label "sample": a token drawn from q is kept with probability min(1, p/q), so a position is
+    kept with probability sum_x min(p(x), q(x)), the acceptance rate of speculative sampling."""
+    torch.manual_seed(0)
+    n, V = 200_000, 5
+    q_logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    p = torch.tensor([0.1, 0.5, 0.2, 0.15, 0.05])
+    kept = OB.simulate_acceptance(q_logits.expand(n, 1, V), p.log().expand(n, 1, V), "sample")
+    rate = torch.minimum(p, torch.softmax(q_logits, -1)).sum().item()  # 0.5447
+    assert kept.float().mean().item() == pytest.approx(rate, abs=5 * (rate * (1 - rate) / n) ** 0.5)
+
+
+def test_positions_past_the_sequence_reject_nothing():
+    """A chain kept at every valid position has k* = K + 1 whatever lies past its end: the
+    positions past the sequence neither count as a rejection nor restart the weights' decay."""
+    N, K, V = 4, 4, 7
+    logp = F.log_softmax(torch.randn(N, K, V, generator=torch.Generator().manual_seed(1)), -1)
+    valid = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    settings = OB.LossSettings(frozenset(TV.VAT_PARTS), "greedy")
+    _, stats = OB.objective(logp.clone(), torch.zeros(N, K), logp, valid, settings, OB.eagle3_decay,
+                            native="soft")  # (the draft's argmax is the target's everywhere)
+    assert stats["sim_tau"] == K + 1 and stats["kept_share"] == 1.0
+
+
 def test_vat_targets_on_hand_made_rows():
     accepted = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
     kstar, labels, w = OB.vat_targets(accepted, OB.eagle3_decay)
