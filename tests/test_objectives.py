@@ -63,7 +63,7 @@ def test_sampled_labels_keep_a_drafted_token_as_often_as_speculative_sampling():
     q_logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
     p = torch.tensor([0.1, 0.5, 0.2, 0.15, 0.05])
     kept = OB.simulate_acceptance(q_logits.expand(n, 1, V), p.log().expand(n, 1, V), "sample")
-    rate = torch.minimum(p, torch.softmax(q_logits, -1)).sum().item()  # 0.5447
+    rate = torch.minimum(p, torch.softmax(q_logits, -1)).sum().item()  # 0.4614
     assert kept.float().mean().item() == pytest.approx(rate, abs=5 * (rate * (1 - rate) / n) ** 0.5)
 
 
