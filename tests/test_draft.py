@@ -44,6 +44,18 @@ def released_eagle3(path, target, fmt):
     return net
 
 
+def test_lookup_proposes_what_followed_the_longest_and_most_recent_match():
+    """Prompt lookup proposes what followed the most recent earlier occurrence of the longest tail
+    n-gram it finds: here the trigram (1, 2, 3) at position 5 (the unigram 3 last occurred at 10,
+    the trigram first at 0); a tree takes the other matches as branches after it."""
+    draft = LookupDraft()
+    draft.start([1, 2, 3, 4, 7, 1, 2, 3, 5, 8, 3, 6, 1, 2, 3])
+    guesses, q = draft.propose(3)
+    assert guesses.tolist() == [5, 8, 3] and q is None
+    tokens, parents, _ = draft.propose_tree(6, depth=2)
+    assert tokens.tolist()[:2] == [5, 8] and parents[:2] == [-1, 0]
+
+
 def test_draft_checkpoint_errors(target, tmp_path):
     released_eagle3(tmp_path / "bad", target, "safetensors")
     cfg = json.loads((tmp_path / "bad" / "config.json").read_text())
