@@ -140,9 +140,10 @@ from speculative import generate  # noqa: E402
 from draft import tree_depths  # noqa: E402
 from draft import LookupDraft
 from dflash import DFlashDraft
+from eagle3 import Eagle3Draft
 from test_emits import (FRESH, REPEATING, T, assert_fits, continuation_distribution, index_of,  # noqa: E402
                         make_draft)
-from conftest import dflash_net  # noqa: E402
+from conftest import dflash_net, eagle3_net  # noqa: E402
 
 BRANCHING = [1, 2, 3, 1, 2, 4, 1, 2]  # "1 2" was followed by 4 and by 3: a lookup tree branches at its root
 
@@ -218,6 +219,23 @@ def test_greedy_tree_decoding_is_plain_greedy_decoding(models, kind, int8):
             assert out["tokens"] == plain, (kind, prompt, budget)
             drafted, declined = drafted + out["drafted_tokens"], declined + out["declined_tokens"]
     assert drafted > 0 and (declined > 0 if "early exit" in kind else True)
+
+
+@pytest.mark.parametrize("signal", ["head", "confidence"])
+def test_a_trees_early_exit_prunes_the_nodes_its_signal_rejects(models, signal):
+    """In a tree, early exit drops the children of a node whose signal falls below the threshold:
+    at 0 the tree of no early exit, at a threshold no signal reaches no tree at all; the tokens
+    are plain decoding's either way."""
+    target = models["target"]
+    net = eagle3_net(target, draft_vocab=12)
+    runs = {threshold: generate(target, FRESH, Eagle3Draft(net, target.embed_tokens, target.max_seq_len,
+                                                           early_exit=threshold, exit_signal=signal),
+                                Verifier("greedy"), k=3, max_new_tokens=12, tree=8)
+            for threshold in (None, 0.0, 1.01)}
+    plain = generate(target, FRESH, max_new_tokens=12)["tokens"]
+    assert all(run["tokens"] == plain for run in runs.values())
+    assert runs[0.0]["drafted_tokens"] == runs[None]["drafted_tokens"] > 0
+    assert runs[1.01]["drafted_tokens"] == 0
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle3 early exit"])
