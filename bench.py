@@ -25,16 +25,15 @@ from pathlib import Path
 
 import torch
 
-import model as M
 from engine.checkpoints import DEFAULT_DRAFTS, draft_spec_problem
 from dflash import DFlashDraft
 from draft import Draft
 from eagle3 import Eagle3Draft
 from engine.compiled import cache_slots, compile_draft, compile_target
-from engine.files import ROOT, os_error_text, repo_path
+from engine.files import ROOT, repo_path
 from engine.layouts import choose_layout, layout_of, load_target, run_block_costs, target_layout
 from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compiled_draft_problem,
-                            machine_problem, pick_threads, wants_compile)
+                            machine_problem, pick_threads, run_script, wants_compile)
 from data.prompts import load_prompts
 from harness.results import figures_beside, machine_stamp, save_figure, shown, unwritable, write_results
 from harness.speed import (Run, adapt_draft, draft_label, interleave, make_draft, paired_runs, parse_spec,
@@ -465,9 +464,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (M.CheckpointError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    except OSError as e:
-        sys.exit(f"error: {os_error_text(e)}")
+    run_script(main, "interrupted: no results written (bench.py writes them once every run is done)")

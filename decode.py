@@ -19,12 +19,12 @@ import model as M
 from engine.checkpoints import (CONFIDENCE_EXIT_DEFAULT, DEFAULT_DRAFTS, EARLY_EXIT_DEFAULT, build_draft,
                                 draft_spec_problem)
 from engine.compiled import COMPILED_K, cache_slots, compile_draft, compile_target, start_compiler
-from engine.files import os_error_text, repo_path, repo_relative
+from engine.files import repo_path, repo_relative
 from engine.layouts import (drafting_is_exact, forget_timings, layout_of, layout_reason, load_target, run_block_costs,
                             target_layout)
 from engine.timing_cache import recheck_kept_timing
 from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, compiled_draft_problem,
-                            machine_problem, pick_threads, wall_clock, wants_compile)
+                            machine_problem, pick_threads, run_script, wall_clock, wants_compile)
 from data.prompts import read_prompts
 from draft import EXIT_SIGNALS
 from speculative import DECODE_K, adaptive, adaptive_tree_problem, check_request, exact_verifier, generate
@@ -379,11 +379,4 @@ def decode_prompts(args, encoded: list, target, tokenizer, draft, verifier, gene
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (M.CheckpointError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    except OSError as e:
-        sys.exit(f"error: {os_error_text(e)}")
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_script(main)

@@ -41,10 +41,10 @@ from data.corpus import (DEFAULT_DATA, SHAREGPT, Corpus, Recipe, batches, build_
 from data.sharegpt import PACKAGE as SHAREGPT_PACKAGE, package_problem
 from dflash import DFlash, DFlashDraft, dflash_target_layers
 from eagle3 import Eagle3, Eagle3Draft, eagle3_target_layers
-from engine.files import ROOT, os_error_text, repo_path
+from engine.files import ROOT, repo_path
 from engine.layouts import experiment_layout, load_target
 from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, machine_problem,
-                            start_processes)
+                            run_script, start_processes)
 from objectives import DraftLoss, LossSettings
 from speculative import generate
 from verify import Verifier
@@ -576,11 +576,4 @@ def export_draft(checkpoint: Path, out: Path, target_name: str, early_exit_thres
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (M.CheckpointError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    except OSError as e:
-        sys.exit(f"error: {os_error_text(e)}")
-    except KeyboardInterrupt:  # checkpoints are written whole: the last one stands
-        sys.exit("interrupted: --resume continues from the last checkpoint written")
+    run_script(main, "interrupted: --resume continues from the last checkpoint written")

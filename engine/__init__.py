@@ -13,5 +13,5 @@ scripts hand it what the engine prepared.
     rows_apart.py    the attention swapped in where blocks must give one-token steps' bits
     compiled.py      the target's step and verification block compiled (torch.compile), blocks exact
     graph_cache.py   compiled graphs kept on disk beside the layouts, so a second run loads them
-    machine.py       device, threads, memory figures, the options every script shares
+    machine.py       device, threads, memory figures, the options every script shares, how a script ends
 """

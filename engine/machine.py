@@ -1,17 +1,37 @@
 """
 The machine a run uses: its device, how many CPU threads, whether the step is compiled, and the
-checks of those flags that every script shares before any weights load.
+checks of those flags that every script shares before any weights load, and how a script ends
+when it cannot go on (run_script).
 """
 import argparse
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from engine import linear_forms as LF
+from engine.files import os_error_text
 from engine.rows_apart import ROWS_APART_MAX
+from model import CheckpointError
+
+
+def run_script(main, interrupted: str = "interrupted"):
+    """A script's main() as its command line runs it: what a user can act on (a checkpoint or
+    value refused, a file that cannot be read or written) ends in one line, `error: ...`, and exit
+    status 1; Ctrl-C in the line `interrupted` (what was kept, and how to go on) and status 130.
+    Never a traceback for either."""
+    try:
+        main()
+    except (CheckpointError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: {os_error_text(e)}")
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        sys.exit(130)
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

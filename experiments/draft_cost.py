@@ -33,7 +33,7 @@ from engine.compiled import COMPILED_K, CPU_OPTIONS, cache_slots, compile_draft,
 from engine.layouts import layout_of, load_target
 from engine import linear_forms as LF
 from engine.linear_forms import Int8Linear, quantize_int8
-from engine.machine import ArgumentParser, pick_threads
+from engine.machine import ArgumentParser, pick_threads, run_script
 from engine.weights import DEFAULT_TARGET, resolve_model
 from harness.results import machine_stamp, unwritable, write_results
 from tokenizer import load_tokenizer
@@ -253,4 +253,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "interrupted: nothing written (the results are written once every timing is done)")

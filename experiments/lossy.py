@@ -48,10 +48,10 @@ from tqdm import tqdm
 
 import model as M
 from engine.checkpoints import DEFAULT_DRAFTS, build_draft
-from engine.files import ROOT, os_error_text, repo_path
+from engine.files import ROOT, repo_path
 from engine.layouts import experiment_layout, load_target
 from engine.machine import (ArgumentParser, DefaultsHelpFormatter, add_machine_options, machine_problem,
-                            pick_threads)
+                            pick_threads, run_script)
 from harness.results import figures_beside, machine_stamp, shown, unwritable, write_results
 from speculative import generate
 from harness.stats import paired_difference, problems_for_power, rank_correlation, wilson
@@ -456,9 +456,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (M.CheckpointError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    except OSError as e:
-        sys.exit(f"error: {os_error_text(e)}")
+    run_script(main, "interrupted: the problems finished are kept in --out's .problems.jsonl, and the same command "
+               "continues from them")

@@ -30,13 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the core modu
 
 import torch
 
-import model as M
 from harness import peers
 from harness import speed
-from engine.files import DATA, ROOT, os_error_text, read_json_object, repo_relative, write_atomically
+from engine.files import DATA, ROOT, read_json_object, repo_relative, write_atomically
 from engine.layouts import layout_of, load_target
 from engine.timing_cache import CPU_FEATURES
-from engine.machine import ArgumentParser, machine_problem, pick_threads
+from engine.machine import ArgumentParser, machine_problem, pick_threads, run_script
 from data.prompts import load_prompts
 from harness.results import machine_stamp, save_figure, unwritable, write_results
 from speculative import DECODE_K
@@ -309,9 +308,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (M.CheckpointError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    except OSError as e:
-        sys.exit(f"error: {os_error_text(e)}")
+    run_script(main, "interrupted: nothing written (report.py writes its results once every run is done)")

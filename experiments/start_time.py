@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.files import ROOT
-from engine.machine import ArgumentParser
+from engine.machine import ArgumentParser, run_script
 from harness.results import machine_stamp, unwritable, write_results
 
 PROMPT = "Repeat after me: one two three, one two three."
@@ -76,4 +76,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "interrupted: nothing written (the results are written once every start is timed)")

@@ -25,7 +25,7 @@ import torch
 from engine import linear_forms as LF
 from engine.checkpoints import draft_dir_problem, load_draft
 from engine.layouts import experiment_layout, load_target
-from engine.machine import ArgumentParser, pick_threads
+from engine.machine import ArgumentParser, pick_threads, run_script
 from engine.weights import DEFAULT_TARGET, resolve_model
 from harness.results import machine_stamp, unwritable, write_results
 from objectives import DraftLoss, LossSettings
@@ -126,4 +126,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "interrupted: nothing written (the results are written once every timing is done)")

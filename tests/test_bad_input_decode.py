@@ -43,6 +43,40 @@ def test_a_thread_count_past_the_cores_exits_cleanly():
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--threads" in r.stderr.strip().splitlines()[-1]
 
 
+def raises(error):
+    raise error
+
+
+@pytest.mark.parametrize("error,status,line", [
+    (ValueError("-k is too long"), "error: -k is too long", None),
+    (FileNotFoundError(2, "No such file or directory", "x.json"),
+     "error: x.json: No such file or directory (nothing was left half-written)", None),
+    (KeyboardInterrupt(), 130, "interrupted: the last checkpoint stands"),
+])
+def test_a_script_ends_in_one_line_without_a_traceback(error, status, line, capsys):
+    """What every script's __main__ runs: a refusal or a file problem in one line and status 1
+    (sys.exit with the line), Ctrl-C in the script's own line and status 130."""
+    from engine.machine import run_script
+    with pytest.raises(SystemExit) as exit_:
+        run_script(lambda: raises(error), "interrupted: the last checkpoint stands")
+    assert exit_.value.code == status
+    assert capsys.readouterr().err.strip() == (line or "")
+
+
+def test_ctrl_c_in_a_benchmark_says_what_was_kept(tmp_path):
+    """Ctrl-C while bench.py loads and runs: no traceback, status 130, one line saying nothing was
+    written, and no results file."""
+    out = tmp_path / "bench.json"
+    code = ("import os, signal, sys, threading, runpy; sys.path.insert(0, '.'); import bench; "
+            "threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start(); "
+            "sys.argv = ['bench.py'] + sys.argv[1:]; runpy.run_path('bench.py', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code, "--quick", "--drafts", "lookup", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("interrupted: no results written")
+    assert not out.exists()
+
+
 def test_a_prompt_file_that_is_not_text_is_named(tmp_path):
     bad = tmp_path / "prompts.txt"
     bad.write_bytes(b"\xff\xfe\x00binary")
