@@ -48,6 +48,30 @@ def test_paired_interval_covers_the_true_difference_95_percent_of_the_time():
     assert r["discordance"] == (r["only_this"] + r["only_reference"]) / n
 
 
+def test_paired_interval_is_agresti_mins_worked_by_hand():
+    """Agresti-Min: half a count added to each of the four cells. 50 problems, 3 only a, 10 only b:
+    (10.5 - 3.5) / 52 = 0.13462 +- 1.96 sqrt(14 - 7^2 / 52) / 52 = 0.13620."""
+    a = [True] * 3 + [False] * 10 + [True] * 20 + [False] * 17
+    b = [False] * 3 + [True] * 10 + [True] * 20 + [False] * 17
+    r = stats.paired_difference(a, b)
+    assert r["difference"] == pytest.approx(7 / 50)
+    assert r["ci95"] == pytest.approx((0.13462 - 0.13620, 0.13462 + 0.13620), abs=1e-4)
+
+
+def test_the_detectable_ratio_is_2_8_standard_errors_from_1():
+    """80% power at a two-sided 5% level: (1.96 + 0.84) bootstrap standard errors of the log ratio,
+    against the interval's 1.96: on 60 prompts, whose bootstrap is near normal, the detectable log
+    ratio is 2.8 / 1.96 of the interval's half-width in logs."""
+    import math
+    rng = random.Random(2)
+    b = [{"new_tokens": 100, "target_forwards": rng.randint(40, 80), "wall_tokens_per_s": rng.uniform(20, 40)}
+         for _ in range(60)]
+    a = [dict(r, target_forwards=max(1, r["target_forwards"] - rng.randint(0, 20))) for r in b]
+    r = stats.paired_ratio(a, b)["tau"]
+    half_width = (math.log(r["ci95"][1]) - math.log(r["ci95"][0])) / 2
+    assert math.log(r["detectable_ratio"]) / half_width == pytest.approx(2.8 / 1.96, rel=0.1)
+
+
 def test_problems_for_power_gives_80_percent_power():
     d, delta = 0.2, 0.05
     n = stats.problems_for_power(d, delta)
