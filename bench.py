@@ -287,6 +287,24 @@ def check_counts(ap, args):
         ap.error("-k, --max-new-tokens and --limit must be >= 1")
 
 
+def check_drafts(ap, args):
+    """Each of --drafts: its suffixes parse, an adaptive tree can sample, the draft exists (unless
+    nothing runs), and no two share a name (runs and results are keyed by it)."""
+    for spec in args.drafts:
+        try:
+            _, _, tree, adapt, _ = parse_spec(spec)
+        except ValueError as e:
+            ap.error(f"--drafts {e}")
+        if adapt and adaptive_tree_problem(tree, max(args.temperatures)):
+            ap.error(f"--drafts {spec}: {adaptive_tree_problem(tree, max(args.temperatures))}")
+        problem = None if args.speed_off else draft_spec_problem(spec.partition("@")[0])
+        if problem:  # (before the target loads and its layouts are timed)
+            ap.error(problem.replace("--draft ", "--drafts ", 1))
+    labels = [draft_label(spec) for spec in args.drafts]
+    if len(set(labels)) < len(labels):  # runs and results are keyed by label: one would replace another
+        ap.error(f"two --drafts have one name: {', '.join(sorted({n for n in labels if labels.count(n) > 1}))}")
+
+
 def check_and_complete(ap, args):
     """Parse the lists, refuse bad values in one line, and check that the results can be written,
     all before hours of measuring."""
@@ -308,19 +326,7 @@ def check_and_complete(ap, args):
         ap.error("--paired takes two of the --drafts, comma-separated")
     if any(a == b for a, b in args.paired):
         ap.error("--paired compares two different drafts; a draft against itself is 1.000 by construction")
-    for spec in args.drafts:
-        try:
-            _, _, tree, adapt, _ = parse_spec(spec)
-        except ValueError as e:
-            ap.error(f"--drafts {e}")
-        if adapt and adaptive_tree_problem(tree, max(args.temperatures)):
-            ap.error(f"--drafts {spec}: {adaptive_tree_problem(tree, max(args.temperatures))}")
-        problem = None if args.speed_off else draft_spec_problem(spec.partition("@")[0])
-        if problem:  # (before the target loads and its layouts are timed)
-            ap.error(problem.replace("--draft ", "--drafts ", 1))
-    labels = [draft_label(spec) for spec in args.drafts]
-    if len(set(labels)) < len(labels):  # runs and results are keyed by label: one would replace another
-        ap.error(f"two --drafts have one name: {', '.join(sorted({n for n in labels if labels.count(n) > 1}))}")
+    check_drafts(ap, args)
     args.categories = args.categories.split(",") if args.categories else None
     args.compile = wants_compile(args.compile, args.device)
     problem = compiled_draft_problem(args.num_draft_tokens, any(parse_spec(spec)[2] for spec in args.drafts),

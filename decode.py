@@ -165,6 +165,25 @@ def check_and_complete(ap, args):
         ap.error(check_temperature(args.temperature))
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must lie in (0, 1], got {args.top_p}")
+    complete_draft(ap, args, lossy)
+    if args.tree < 0:
+        ap.error(f"--tree takes a number of draft tokens >= 1 (0: chains), got {args.tree}")
+    if args.tree and args.verifier == "none":
+        ap.error("--tree drafts trees for a verifier to check; with --verifier none nothing is drafted")
+    if args.adaptive and adaptive_tree_problem(args.tree, args.temperature):
+        ap.error(adaptive_tree_problem(args.tree, args.temperature))
+    problem = compiled_draft_problem(args.num_draft_tokens, bool(args.tree))
+    if wants_compile(args.compile, args.device) and args.verifier != "none" and problem:
+        ap.error(problem)
+    if args.adaptive is None:  # every draft's chain: a draft that does not pay here then costs only its probes
+        args.adaptive = not args.tree
+    complete_early_exit(ap, args)
+
+
+def complete_draft(ap, args, lossy: bool):
+    """--draft and --verifier: their defaults (adaptive lookup and the exact verifier; a lossy
+    verifier's, lookup and the committed chat draft), and a draft refused before the target loads
+    where it names nothing that can draft or nothing would verify it."""
     committed = DEFAULT_DRAFTS.get(args.target)
     if args.draft is None and lossy:  # the trained draft, and lookup where the context repeats
         args.draft = f"lookup+{committed}" if committed is not None and committed.is_dir() else "lookup"
@@ -180,18 +199,6 @@ def check_and_complete(ap, args):
                  "(drop --draft)")
     if args.verifier != "none" and draft_spec_problem(args.draft):  # (before the target loads)
         ap.error(draft_spec_problem(args.draft))
-    if args.tree < 0:
-        ap.error(f"--tree takes a number of draft tokens >= 1 (0: chains), got {args.tree}")
-    if args.tree and args.verifier == "none":
-        ap.error("--tree drafts trees for a verifier to check; with --verifier none nothing is drafted")
-    if args.adaptive and adaptive_tree_problem(args.tree, args.temperature):
-        ap.error(adaptive_tree_problem(args.tree, args.temperature))
-    problem = compiled_draft_problem(args.num_draft_tokens, bool(args.tree))
-    if wants_compile(args.compile, args.device) and args.verifier != "none" and problem:
-        ap.error(problem)
-    if args.adaptive is None:  # every draft's chain: a draft that does not pay here then costs only its probes
-        args.adaptive = not args.tree
-    complete_early_exit(ap, args)
 
 
 def complete_early_exit(ap, args):
