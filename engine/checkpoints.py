@@ -1,9 +1,9 @@
 """
 Drafts on disk: released EAGLE-3 and DFlash checkpoints load into eagle3.py's and dflash.py's
 networks exactly or not at all, drafts are saved in the layouts vLLM and SGLang serve (a training
-run's checkpoints are directories of those: training_runs.py), and build_draft turns a --draft spec into a draft ready to
-run beside its target. Every directory is written whole or not at all (files.py); no non-finite
-tensor is written or read.
+run's checkpoints are directories of those: training_runs.py), and build_draft turns a --draft
+spec into a draft ready to run beside its target. Every directory is written whole or not at all
+(files.py); no non-finite tensor is written or read.
 
 A draft directory:
 

@@ -67,7 +67,6 @@ def test_report_refuses_a_thread_count_it_cannot_use(tmp_path, threads, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-
 DRAFTS = Path(__file__).resolve().parent.parent / "drafts"
 DFLASH, EAGLE3 = str(DRAFTS / "smollm2-135m-dflash-gsm8k"), str(DRAFTS / "smollm2-135m-eagle3-chat")
 

@@ -219,8 +219,8 @@ def test_a_compiled_run_refuses_blocks_whose_rows_attend_together(decode_failure
     (["--draft", "lookup+{file}"], None, "holds no config.json"),  # (a folder that is not a draft)
     (["--draft", "eagle3:"], None, "names no draft"),
 ])
-def test_bad_prompts_and_drafts_fail_in_one_line_before_loading(tmp_path, argv, content, message, monkeypatch, capsys,
-                                                    decode_failure):
+def test_bad_prompts_and_drafts_fail_in_one_line_before_loading(tmp_path, argv, content, message, monkeypatch,
+                                                                capsys, decode_failure):
     import decode
 
     def no_loading(*_, **__):
